@@ -1,0 +1,197 @@
+"""download: the one stage that may reach the network. It runs on a login node and puts everything the
+offline stages need into the run's folder.
+
+    python -m fedtune.download data  --spec '<dataset JSON>' --out results/<run>/data/<site>/raw
+    python -m fedtune.download model --spec '<model JSON>' [--corpora '<JSON list>'] --out results/<run>/model/base
+
+`--spec` is the config's `sites.<site>.dataset` or `model` section (validated against the schema).
+Hub tokens come from the environment (HF_TOKEN), never from the config or the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from fedtune.atomic import atomic_dir, write_json
+from fedtune.config import ConfigError, validate_section
+
+SPLITS = ("train", "test")
+FORMATS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet", ".csv": "csv"}
+
+
+class DataError(ValueError):
+    """A dataset that cannot be used: the message names the dataset, split or column."""
+
+
+def _files(value) -> list[str]:
+    return [value] if isinstance(value, str) else list(value)
+
+
+def _format(spec: dict) -> str:
+    if spec["format"] != "auto":
+        return spec["format"]
+    suffixes = {Path(f).suffix for files in spec["data_files"].values() for f in _files(files)}
+    formats = {FORMATS.get(s) for s in suffixes}
+    if None in formats or len(formats) != 1:
+        raise ConfigError(
+            f"dataset.data_files: cannot tell one format from the suffixes {sorted(suffixes)}; "
+            f"set dataset.format to one of json, text, parquet, csv"
+        )
+    return formats.pop()
+
+
+def load_splits(spec: dict):
+    """The site's documents as a DatasetDict with exactly the splits train and test."""
+    from datasets import DatasetDict, load_dataset
+
+    if spec["source"] == "local":
+        for split, files in spec["data_files"].items():
+            for file in _files(files):
+                if not Path(file).is_file():
+                    raise DataError(f"dataset.data_files.{split}: file not found: {file}")
+                if Path(file).stat().st_size == 0:
+                    raise DataError(f"dataset.data_files.{split}: {file} is empty: the {split} split holds no documents")
+        loaded = load_dataset(_format(spec), data_files=spec["data_files"])
+        names = {"train": "train", "test": "test" if "test" in spec["data_files"] else None}
+        label = ", ".join(_files(spec["data_files"]["train"]))
+    else:
+        loaded = load_dataset(spec["name"], spec["config"], revision=spec["revision"])
+        names = spec["splits"]
+        label = spec["name"]
+        for split in (names["train"], names["test"]):
+            if split is not None and split not in loaded:
+                raise DataError(
+                    f"{label}: dataset.splits names split {split!r}, but the dataset has {sorted(loaded)}"
+                )
+    train = loaded[names["train"]]
+    if names["test"] is None:
+        carved = train.train_test_split(test_size=spec["test_fraction"], seed=spec["seed"], shuffle=True)
+        splits = {"train": carved["train"], "test": carved["test"]}
+    else:
+        splits = {"train": train, "test": loaded[names["test"]]}
+    for split, data in splits.items():
+        if spec["text_field"] not in data.column_names:
+            raise DataError(
+                f"{label}: dataset.text_field {spec['text_field']!r} is not a column of the {split} split; "
+                f"columns: {data.column_names}"
+            )
+        if spec["max_documents"] is not None and len(data) > spec["max_documents"]:
+            splits[split] = data.select(range(spec["max_documents"]))
+        if len(splits[split]) == 0:
+            raise DataError(f"{label}: the {split} split holds no documents")
+    return DatasetDict(splits)
+
+
+def download_data(spec: dict, out: str | Path) -> dict:
+    spec = validate_section(
+        dict(spec), "config.schema.yaml#/$defs/dataset", source="--spec", prefix="dataset"
+    )
+    splits = load_splits(spec)
+    with atomic_dir(out) as tmp:
+        splits.save_to_disk(str(tmp))
+    counts = {split: len(data) for split, data in splits.items()}
+    print(f"saved {counts} documents to {out}")
+    return counts
+
+
+def _corpus_texts(corpora: list[dict], max_documents: int | None):
+    from datasets import load_from_disk
+
+    for corpus in corpora:
+        train = load_from_disk(corpus["path"])["train"]
+        count = len(train) if max_documents is None else min(len(train), max_documents)
+        template = corpus.get("template", "{text}")
+        for text in train.select(range(count))[corpus.get("text_field", "text")]:
+            yield template.format(text=text)
+
+
+def _copy_model_dir(source: Path, dest: Path) -> None:
+    for path in source.iterdir():
+        if path.is_file():
+            try:
+                # A hard link costs no space for a 14 GB checkpoint on the same file system.
+                (dest / path.name).hardlink_to(path)
+            except OSError:
+                shutil.copy2(path, dest / path.name)
+
+
+def download_model(spec: dict, out: str | Path, corpora: list[dict] | None = None) -> None:
+    from fedtune import models
+
+    spec = validate_section(dict(spec), "config.schema.yaml#/$defs/model", source="--spec", prefix="model")
+    source = spec["source"]
+    record = {"source": source}
+    with atomic_dir(out) as tmp:
+        if source == "init":
+            if not corpora:
+                raise ConfigError(
+                    "--corpora: a model built from scratch needs text to train its tokenizer on"
+                )
+            tok_spec = spec["tokenizer"]
+            texts = list(_corpus_texts(corpora, tok_spec["max_documents"]))
+            tokenizer = models.train_tokenizer(texts, tok_spec["vocab_size"], tok_spec["min_frequency"])
+            model = models.build_model(
+                spec["architecture"], tokenizer, dtype=spec["dtype"], seed=spec["seed"]
+            )
+            models.save_model(model, tokenizer, tmp)
+            record.update(
+                architecture=spec["architecture"], tokenizer=tok_spec, documents=len(texts), seed=spec["seed"]
+            )
+        elif source == "local":
+            path = Path(spec["path"])
+            models.check_model_dir(path, allow_pickle=spec["allow_pickle"])
+            models.load_tokenizer(path, trust_remote_code=spec["trust_remote_code"])
+            _copy_model_dir(path, tmp)
+            record.update(path=str(path.resolve()))
+        else:
+            model = models.load_causal_lm(
+                spec["name"],
+                dtype=spec["dtype"],
+                allow_pickle=spec["allow_pickle"],
+                trust_remote_code=spec["trust_remote_code"],
+                revision=spec["revision"],
+            )
+            tokenizer = models.load_tokenizer(
+                spec["name"], trust_remote_code=spec["trust_remote_code"], revision=spec["revision"]
+            )
+            models.save_model(model, tokenizer, tmp)
+            record.update(name=spec["name"], revision=spec["revision"])
+        write_json(tmp / "fedtune-source.json", record)
+    print(f"saved the {source} model to {out}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m fedtune.download",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="what", required=True)
+    data = sub.add_parser("data", help="a site's train and test splits, saved with save_to_disk")
+    data.add_argument("--spec", required=True, help="the site's dataset section as JSON")
+    data.add_argument("--out", required=True)
+    model = sub.add_parser("model", help="the base model and tokenizer, saved with save_pretrained")
+    model.add_argument("--spec", required=True, help="the model section as JSON")
+    model.add_argument(
+        "--corpora",
+        default="[]",
+        help="JSON list of {path, text_field, template}: raw datasets to train a tokenizer on",
+    )
+    model.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    try:
+        if args.what == "data":
+            download_data(json.loads(args.spec), args.out)
+        else:
+            download_model(json.loads(args.spec), args.out, json.loads(args.corpora))
+    except (ConfigError, DataError, ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

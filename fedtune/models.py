@@ -1,0 +1,129 @@
+"""Building, saving and loading models and tokenizers in the Hugging Face format.
+
+Every stage loads weights through `load_causal_lm`, which reads safetensors only unless the config
+explicitly allows pickle checkpoints, and never runs remote code unless the config says so."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+BOS, EOS, PAD = "<s>", "</s>", "<pad>"
+
+
+class ModelError(ValueError):
+    """A model folder that cannot be used: the message names the folder and what is wrong."""
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048, min_frequency: int = 2):
+    """A byte-level BPE tokenizer trained on `texts`, wrapped as a transformers fast tokenizer.
+    It adds no special tokens by itself: the tokenize stage places BOS and EOS explicitly."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=[PAD, BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, pad_token=PAD)
+
+
+def build_model(architecture: dict, tokenizer, *, dtype: str = "float32", seed: int = 0):
+    """A freshly initialised causal LM whose vocabulary and special tokens match `tokenizer`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    settings = dict(architecture)
+    model_type = settings.pop("model_type", "llama")
+    try:
+        config = AutoConfig.for_model(
+            model_type,
+            **settings,
+            vocab_size=len(tokenizer),
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    except ValueError as e:
+        raise ModelError(f"model.architecture.model_type: {model_type!r}: {e}") from None
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    return model.to(DTYPES[dtype])
+
+
+def save_model(model, tokenizer, out_dir: str | Path, *, max_shard_size: str = "5GB") -> None:
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir, safe_serialization=True, max_shard_size=max_shard_size)
+    tokenizer.save_pretrained(out_dir)
+    # save_pretrained writes weights with mode 0600; the rest of the group (aggregation on a login node,
+    # a colleague's evaluation) must be able to read them.
+    for path in out_dir.iterdir():
+        path.chmod(0o644)
+
+
+def weight_files(model_dir: str | Path) -> list[Path]:
+    model_dir = Path(model_dir)
+    return sorted(model_dir.glob("*.safetensors"))
+
+
+def check_model_dir(model_dir: str | Path, *, allow_pickle: bool = False) -> Path:
+    """Raise ModelError unless `model_dir` is a complete save_pretrained folder with loadable weights."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelError(f"{model_dir}: model folder not found")
+    if not (model_dir / "config.json").is_file():
+        raise ModelError(f"{model_dir}: no config.json (not a save_pretrained folder)")
+    if not weight_files(model_dir):
+        pickles = sorted(p.name for p in model_dir.glob("*.bin"))
+        if pickles and not allow_pickle:
+            raise ModelError(
+                f"{model_dir}: only pickle weights ({', '.join(pickles)}); fedtune loads safetensors. "
+                "Convert them, or set model.allow_pickle: true if you trust their source"
+            )
+        if not pickles:
+            raise ModelError(f"{model_dir}: no weights (*.safetensors)")
+    return model_dir
+
+
+def load_causal_lm(
+    model_dir: str | Path,
+    *,
+    dtype: str | None = None,
+    allow_pickle: bool = False,
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+):
+    """A causal LM from a save_pretrained folder or (download stage only) a hub id."""
+    from transformers import AutoModelForCausalLM
+
+    if Path(model_dir).exists():
+        check_model_dir(model_dir, allow_pickle=allow_pickle)
+    kwargs = {"dtype": DTYPES[dtype]} if dtype else {}
+    return AutoModelForCausalLM.from_pretrained(
+        model_dir,
+        use_safetensors=not allow_pickle,
+        trust_remote_code=trust_remote_code,
+        revision=revision,
+        **kwargs,
+    )
+
+
+def load_tokenizer(model_dir: str | Path, *, trust_remote_code: bool = False, revision: str | None = None):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        model_dir, trust_remote_code=trust_remote_code, revision=revision
+    )
+    if not tokenizer.is_fast:
+        raise ModelError(f"{model_dir}: fedtune needs a fast (Rust) tokenizer; tokenizer.json is missing")
+    return tokenizer

@@ -1,0 +1,295 @@
+"""tokenize: a site's raw text -> fixed-size blocks of token ids, one shard per job.
+
+    python -m fedtune.tokenize shard --raw DIR --split train --shard K --num-shards N --tokenizer DIR \\
+        --template '...{text}...' --text-field text --block-size 128 --mode packing --out DIR
+    python -m fedtune.tokenize manifest --out manifest.json SHARD_DIR...
+
+A shard holds the documents `Dataset.shard(N, K, contiguous=True)` gives it, so every document lands in
+exactly one shard whatever N is. Each document becomes [BOS] text [EOS]; `packing` concatenates them and
+cuts full blocks (the shard's remainder is dropped and counted), `padding` puts one document per block,
+truncated or right-padded, with labels -100 on padding. The fast tokenizer's Rust `encode_batch_fast`
+does the work on all the job's threads; no Python loop touches a token."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from fedtune import offline
+from fedtune.atomic import atomic_dir, write_json
+
+COUNTS = "counts.json"
+MODES = ("packing", "padding")
+LABEL_IGNORE = -100
+SUM_KEYS = ("documents", "bytes", "tokens", "tokens_kept", "tokens_dropped", "blocks")
+
+
+class TokenizeError(ValueError):
+    """Bad input to the tokenize stage: the message names the file, option or value."""
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def model_max_positions(model_dir: Path) -> int | None:
+    config_path = Path(model_dir) / "config.json"
+    if not config_path.is_file():
+        return None
+    config = json.loads(config_path.read_text())
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        if isinstance(config.get(key), int):
+            return config[key]
+    return None
+
+
+def encode_documents(texts, tokenizer, template: str, add_bos: bool, batch_size: int = 2048, progress=None):
+    """Token ids of every templated document with BOS/EOS placed, as (flat ids, lengths, bytes)."""
+    backend = tokenizer.backend_tokenizer
+    prefix = [tokenizer.bos_token_id] if add_bos and tokenizer.bos_token_id is not None else []
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise TokenizeError("the tokenizer has no EOS token, which separates documents")
+    pieces, lengths, n_bytes = [], [], 0
+    batch: list[str] = []
+
+    def flush():
+        nonlocal n_bytes
+        for encoding in backend.encode_batch_fast(batch, add_special_tokens=False):
+            ids = prefix + encoding.ids + [eos]
+            pieces.append(np.asarray(ids, dtype=np.int32))
+            lengths.append(len(ids))
+        n_bytes += sum(len(t.encode("utf-8")) for t in batch)
+        if progress is not None:
+            progress.update(len(batch))
+        batch.clear()
+
+    for text in texts:
+        batch.append(template.format(text=text))
+        if len(batch) == batch_size:
+            flush()
+    if batch:
+        flush()
+    flat = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
+    return flat, np.asarray(lengths, dtype=np.int64), n_bytes
+
+
+def pack(flat: np.ndarray, block_size: int):
+    """Full blocks of the concatenated stream; labels equal the ids."""
+    n_blocks = len(flat) // block_size
+    blocks = flat[: n_blocks * block_size].reshape(n_blocks, block_size)
+    return blocks, blocks.copy()
+
+
+def pad(flat: np.ndarray, lengths: np.ndarray, block_size: int, pad_id: int):
+    """One block per document: truncated to block_size or right-padded; labels -100 on padding."""
+    n = len(lengths)
+    kept = np.minimum(lengths, block_size)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if n else np.zeros(0, dtype=np.int64)
+    rows = np.repeat(np.arange(n), kept)
+    cols = np.arange(kept.sum()) - np.repeat(np.cumsum(kept) - kept, kept)
+    source = np.repeat(starts, kept) + cols
+    blocks = np.full((n, block_size), pad_id, dtype=np.int32)
+    labels = np.full((n, block_size), LABEL_IGNORE, dtype=np.int32)
+    blocks[rows, cols] = flat[source]
+    labels[rows, cols] = flat[source]
+    return blocks, labels
+
+
+def blocks_dataset(blocks: np.ndarray, labels: np.ndarray, block_size: int):
+    import pyarrow as pa
+    from datasets import Dataset
+
+    def column(array):
+        return pa.FixedSizeListArray.from_arrays(pa.array(array.reshape(-1), type=pa.int32()), block_size)
+
+    return Dataset(pa.table({"input_ids": column(blocks), "labels": column(labels)}))
+
+
+def tokenize_shard(
+    raw: str | Path,
+    split: str,
+    shard: int,
+    num_shards: int,
+    tokenizer_dir: str | Path,
+    out: str | Path,
+    *,
+    template: str = "{text}",
+    text_field: str = "text",
+    block_size: int = 128,
+    mode: str = "packing",
+    add_bos: bool = True,
+    site: str | None = None,
+) -> dict:
+    from datasets import load_from_disk
+    from tqdm import tqdm
+
+    from fedtune.models import load_tokenizer
+
+    if mode not in MODES:
+        raise TokenizeError(f"--mode: {mode!r} is not one of {MODES}")
+    if not 0 <= shard < num_shards:
+        raise TokenizeError(f"--shard: {shard} is not in 0..{num_shards - 1}")
+    if "{text}" not in template:
+        raise TokenizeError(f"--template: {template!r} does not contain {{text}}")
+    max_positions = model_max_positions(Path(tokenizer_dir))
+    if max_positions is not None and block_size > max_positions:
+        raise TokenizeError(
+            f"--block-size: {block_size} exceeds the model's maximum positions ({max_positions}) "
+            f"in {Path(tokenizer_dir) / 'config.json'}"
+        )
+    try:
+        splits = load_from_disk(str(raw))
+    except FileNotFoundError as error:
+        raise TokenizeError(f"--raw: {raw}: not a saved dataset ({error})") from None
+    if split not in splits:
+        raise TokenizeError(f"--split: {raw} has no split {split!r}; it has {sorted(splits)}")
+    data = splits[split]
+    if text_field not in data.column_names:
+        raise TokenizeError(f"--text-field: {text_field!r} is not a column of {raw} ({data.column_names})")
+    tokenizer = load_tokenizer(tokenizer_dir)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    part = data.shard(num_shards=num_shards, index=shard, contiguous=True).select_columns([text_field])
+    texts = (text for batch in part.iter(batch_size=4096) for text in batch[text_field])
+    with tqdm(total=len(part), desc=f"tokenize {split} shard {shard}", unit="doc", mininterval=2) as bar:
+        flat, lengths, n_bytes = encode_documents(texts, tokenizer, template, add_bos, progress=bar)
+    if mode == "packing":
+        blocks, labels = pack(flat, block_size)
+        kept = int(blocks.size)
+    else:
+        blocks, labels = pad(flat, lengths, block_size, pad_id)
+        kept = int(np.minimum(lengths, block_size).sum())
+
+    counts = {
+        "site": site,
+        "split": split,
+        "shard": shard,
+        "num_shards": num_shards,
+        "block_size": block_size,
+        "mode": mode,
+        "documents": len(part),
+        "bytes": n_bytes,
+        "tokens": int(lengths.sum()),
+        "tokens_kept": kept,
+        "tokens_dropped": int(lengths.sum()) - kept,
+        "blocks": int(len(blocks)),
+    }
+    with atomic_dir(out) as tmp:
+        blocks_dataset(blocks, labels, block_size).save_to_disk(str(tmp))
+        counts["files"] = {
+            p.name: {"bytes": p.stat().st_size, "sha256": sha256(p)} for p in sorted(tmp.glob("*.arrow"))
+        }
+        write_json(tmp / COUNTS, counts)
+    print(json.dumps({k: v for k, v in counts.items() if k != "files"}))
+    return counts
+
+
+def verify_shard(shard_dir: str | Path) -> dict:
+    """The shard's counts, after checking its Arrow files against the sizes and checksums recorded."""
+    shard_dir = Path(shard_dir)
+    counts_path = shard_dir / COUNTS
+    if not counts_path.is_file():
+        raise TokenizeError(f"{shard_dir}: no {COUNTS}: the shard is incomplete; rerun its tokenize job")
+    counts = json.loads(counts_path.read_text())
+    for name, expected in counts["files"].items():
+        path = shard_dir / name
+        if (
+            not path.is_file()
+            or path.stat().st_size != expected["bytes"]
+            or sha256(path) != expected["sha256"]
+        ):
+            raise TokenizeError(f"{path}: missing or corrupted (size or checksum differs from {counts_path})")
+    return counts
+
+
+def write_manifest(shard_dirs: list[str | Path], out: str | Path) -> dict:
+    """Per-split totals over a site's shards; checks that every shard of every split is there once."""
+    out = Path(out)
+    manifest: dict = {"site": None, "block_size": None, "mode": None, "splits": {}}
+    seen: dict[str, set[int]] = {}
+    for shard_dir in map(Path, shard_dirs):
+        counts_path = shard_dir / COUNTS
+        if not counts_path.is_file():
+            raise TokenizeError(f"{shard_dir}: no {COUNTS}: the shard is incomplete; rerun its tokenize job")
+        counts = json.loads(counts_path.read_text())
+        for key in ("site", "block_size", "mode"):
+            if manifest[key] is None:
+                manifest[key] = counts[key]
+            elif manifest[key] != counts[key]:
+                raise TokenizeError(
+                    f"{counts_path}: {key} is {counts[key]!r}, other shards have {manifest[key]!r}"
+                )
+        split = manifest["splits"].setdefault(
+            counts["split"], {**dict.fromkeys(SUM_KEYS, 0), "num_shards": counts["num_shards"], "shards": []}
+        )
+        if counts["shard"] in seen.setdefault(counts["split"], set()):
+            raise TokenizeError(f"{shard_dir}: shard {counts['shard']} of {counts['split']} given twice")
+        seen[counts["split"]].add(counts["shard"])
+        for key in SUM_KEYS:
+            split[key] += counts[key]
+        split["shards"].append(os.path.relpath(shard_dir.resolve(), out.resolve().parent))
+    for name, split in manifest["splits"].items():
+        missing = sorted(set(range(split["num_shards"])) - seen[name])
+        if missing:
+            raise TokenizeError(f"{out}: split {name} lacks shards {missing}")
+    write_json(out, manifest)
+    return manifest
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m fedtune.tokenize",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="what", required=True)
+    shard = sub.add_parser("shard", help="tokenize one shard of one split")
+    shard.add_argument("--raw", required=True, help="the site's raw DatasetDict (download data)")
+    shard.add_argument("--split", required=True)
+    shard.add_argument("--shard", type=int, required=True)
+    shard.add_argument("--num-shards", type=int, required=True)
+    shard.add_argument("--tokenizer", required=True, help="folder with the tokenizer (the base model)")
+    shard.add_argument("--template", default="{text}")
+    shard.add_argument("--text-field", default="text")
+    shard.add_argument("--block-size", type=int, default=128)
+    shard.add_argument("--mode", choices=MODES, default="packing")
+    shard.add_argument("--add-bos", action=argparse.BooleanOptionalAction, default=True)
+    shard.add_argument("--site", default=None, help="site name recorded in counts.json")
+    shard.add_argument("--num-proc", type=int, default=None, help="tokenizer threads (the job's cores)")
+    shard.add_argument("--out", required=True)
+    manifest = sub.add_parser("manifest", help="gather a site's shard counts")
+    manifest.add_argument("--out", required=True)
+    manifest.add_argument("shards", nargs="+")
+    args = parser.parse_args(argv)
+    offline.enforce()
+    if getattr(args, "num_proc", None):
+        # The Rust tokenizer sizes its thread pool from this at first use, which comes later.
+        os.environ["RAYON_NUM_THREADS"] = str(args.num_proc)
+    try:
+        if args.what == "shard":
+            tokenize_shard(
+                args.raw, args.split, args.shard, args.num_shards, args.tokenizer, args.out,
+                template=args.template, text_field=args.text_field, block_size=args.block_size,
+                mode=args.mode, add_bos=args.add_bos, site=args.site,
+            )  # fmt: skip
+        else:
+            write_manifest(args.shards, args.out)
+    except (TokenizeError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

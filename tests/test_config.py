@@ -1,0 +1,157 @@
+"""The config schema: the demo and example configs pass with defaults filled in; each kind of mistake
+fails at load time with the file and the key named."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fedtune.config import ConfigError, check_config, load_config, site_train_options
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def demo() -> dict:
+    return yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+
+
+def test_demo_config_is_valid_and_defaults_are_filled():
+    config = load_config(ROOT / "config" / "config.yaml", base_dir=ROOT)
+    assert config["results"] == "results"
+    assert config["tokenize"]["add_bos"] is True
+    assert config["sites"]["alpha"]["dataset"]["max_documents"] is None
+    assert config["aggregate"]["weights"] == "tokens"
+    assert config["federation"]["rounds"] == 1
+    assert config["model"]["trust_remote_code"] is False
+    # Defaults reach into the section schemas that live in their own files.
+    assert config["train"]["backend"] == "fsdp"
+    assert config["evaluate"]["batch_size"] == 8
+
+
+def schema_properties():
+    """(file#path, property schema, required?) for every property of every schema file."""
+    from fedtune.config import SCHEMA_DIR
+
+    def walk(node, where):
+        required = set(node.get("required", ()))
+        for name, sub in node.get("properties", {}).items():
+            yield f"{where}.{name}", sub, name in required
+            yield from walk(sub, f"{where}.{name}")
+        for name, sub in node.get("$defs", {}).items():
+            yield from walk(sub, f"{where}#{name}")
+
+    for path in sorted(SCHEMA_DIR.glob("*.schema.yaml")):
+        yield from walk(yaml.safe_load(path.read_text()), path.name)
+
+
+# Keys that only make sense for one source have no default: an if/then on the source requires them.
+CONDITIONAL = {
+    "config.schema.yaml#model.name",
+    "config.schema.yaml#model.path",
+    "config.schema.yaml#dataset.name",
+    "config.schema.yaml#dataset.data_files",
+    "config.schema.yaml#dataset.data_files.train",
+    "config.schema.yaml#dataset.data_files.test",
+}
+
+
+def test_every_schema_key_is_documented_with_a_default():
+    undocumented = [where for where, sub, _ in schema_properties() if "description" not in sub and "$ref" not in sub]
+    no_default = [
+        where
+        for where, sub, required in schema_properties()
+        if "default" not in sub and not required and where not in CONDITIONAL
+    ]
+    assert undocumented == []
+    assert no_default == []
+
+
+def test_site_train_override_merges_over_the_train_section():
+    config = demo()
+    config["sites"]["beta"]["train"] = {"backend": "deepspeed", "zero_stage": 3, "nodes": 2}
+    check_config(config, base_dir=ROOT)
+    beta = site_train_options(config, "beta")
+    alpha = site_train_options(config, "alpha")
+    assert (beta["backend"], beta["zero_stage"], beta["nodes"]) == ("deepspeed", 3, 2)
+    assert beta["max_steps"] == alpha["max_steps"] == config["train"]["max_steps"]
+    assert alpha["backend"] == "fsdp"
+
+
+def edit(path: str, value):
+    """A config edit: set `value` at the dotted `path` (None deletes the key)."""
+
+    def apply(config):
+        *parents, last = path.split(".")
+        node = config
+        for key in parents:
+            node = node.setdefault(key, {})
+        if value is None:
+            del node[last]
+        else:
+            node[last] = value
+
+    return apply
+
+
+BAD = [
+    ("unknown top-level key", edit("learning_rate", 0.1), "learning_rate"),
+    ("unknown nested key", edit("tokenize.blocksize", 64), "blocksize"),
+    ("wrong type", edit("tokenize.block_size", "big"), "tokenize.block_size"),
+    ("block size below minimum", edit("tokenize.block_size", 2), "tokenize.block_size"),
+    ("unknown mode", edit("tokenize.mode", "chunks"), "tokenize.mode"),
+    ("missing data file", edit("sites.alpha.dataset.data_files.train", "data/nope.jsonl"), "data/nope.jsonl"),
+    ("template without {text}", edit("sites.alpha.prompt_template", "Write:"), "sites.alpha.prompt_template"),
+    ("template with another field", edit("sites.beta.prompt_template", "{lang}: {text}"), "sites.beta.prompt_template"),
+    ("template with a broken brace", edit("sites.beta.prompt_template", "{text} {"), "sites.beta.prompt_template"),
+    ("site name not an identifier", edit("sites.bad name", {"dataset": {"source": "hf", "name": "x"}}), "bad name"),
+    ("site name with a shell character", edit("sites.a;rm", {"dataset": {"source": "hf", "name": "x"}}), "a;rm"),
+    ("run name with a slash", edit("run", "../elsewhere"), "run"),
+    ("dataset source unknown", edit("sites.alpha.dataset.source", "ftp"), "sites.alpha.dataset.source"),
+    ("hf dataset without name", edit("sites.alpha.dataset", {"source": "hf"}), "sites.alpha.dataset"),
+    ("hf model without name", edit("model", {"source": "hf"}), "model"),
+    ("local model folder missing", edit("model", {"source": "local", "path": "no/such/model"}), "model.path"),
+    ("unknown train backend", edit("train.backend", "horovod"), "train.backend"),
+    ("unknown sharding in a site override", edit("sites.beta.train", {"sharding": "half"}), "sites.beta.train.sharding"),
+    ("block size above max positions", edit("tokenize.block_size", 512), "max_position_embeddings"),
+    ("negative aggregation weight", edit("aggregate.weights", {"alpha": -1, "beta": 1}), "aggregate.weights"),
+    ("weights summing to zero", edit("aggregate.weights", {"alpha": 0, "beta": 0}), "sum to zero"),
+    ("weights naming an unknown site", edit("aggregate.weights", {"alpha": 1, "gamma": 1}), "gamma"),
+    ("zero rounds", edit("federation.rounds", 0), "federation.rounds"),
+    ("no sites", edit("sites", {}), "sites"),
+]
+
+
+@pytest.mark.parametrize("mistake, change, named", BAD, ids=[b[0] for b in BAD])
+def test_bad_config_fails_naming_the_key(mistake, change, named, tmp_path):
+    config = demo()
+    change(config)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with pytest.raises(ConfigError) as error:
+        load_config(path, base_dir=ROOT)
+    message = str(error.value)
+    assert str(path) in message
+    assert named in message, message
+
+
+def test_config_file_problems_name_the_file(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "absent.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("run: [unclosed\n")
+    with pytest.raises(ConfigError, match="broken.yaml: not valid YAML"):
+        load_config(broken)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("just a string\n")
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        load_config(scalar)
+
+
+def test_validation_does_not_change_a_valid_config_twice():
+    config = demo()
+    once = check_config(copy.deepcopy(config), base_dir=ROOT)
+    twice = check_config(copy.deepcopy(once), base_dir=ROOT)
+    assert once == twice

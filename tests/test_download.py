@@ -1,0 +1,150 @@
+"""download: every dataset and model source kind, on local files (no network here)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from datasets import load_from_disk
+
+from fedtune.config import ConfigError
+from fedtune.download import DataError, download_data, download_model
+from fedtune.models import ModelError, load_causal_lm, load_tokenizer
+
+
+def write_jsonl(path, texts, field="text"):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({field: t, "label": i % 3}) + "\n" for i, t in enumerate(texts)))
+    return path
+
+
+@pytest.fixture
+def files(tmp_path):
+    train = write_jsonl(tmp_path / "src" / "train.jsonl", [f"train document {i}" for i in range(30)])
+    test = write_jsonl(tmp_path / "src" / "test.jsonl", [f"test document {i}" for i in range(7)])
+    return train, test
+
+
+def test_local_files_become_train_and_test_splits(files, tmp_path):
+    train, test = files
+    out = tmp_path / "raw"
+    spec = {"source": "local", "data_files": {"train": str(train), "test": str(test)}}
+    assert download_data(spec, out) == {"train": 30, "test": 7}
+    saved = load_from_disk(str(out))
+    assert saved["train"][0]["text"] == "train document 0"
+    assert saved["test"]["text"][-1] == "test document 6"
+    # Other columns are kept: the classification task reads its labels from them.
+    assert "label" in saved["train"].column_names
+
+
+def test_max_documents_keeps_the_first_ones(files, tmp_path):
+    train, test = files
+    spec = {"source": "local", "data_files": {"train": str(train), "test": str(test)}, "max_documents": 5}
+    download_data(spec, tmp_path / "raw")
+    saved = load_from_disk(str(tmp_path / "raw"))
+    assert saved["train"]["text"] == [f"train document {i}" for i in range(5)]
+    assert len(saved["test"]) == 5
+
+
+def test_text_files_and_a_carved_test_split(tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_text("".join(f"line {i}\n" for i in range(100)))
+    spec = {"source": "local", "data_files": {"train": str(text)}, "test_fraction": 0.1}
+    assert download_data(spec, tmp_path / "raw") == {"train": 90, "test": 10}
+    saved = load_from_disk(str(tmp_path / "raw"))
+    assert set(saved["train"]["text"]).isdisjoint(saved["test"]["text"])
+    assert len(set(saved["train"]["text"]) | set(saved["test"]["text"])) == 100
+
+
+def test_hf_source_loads_a_dataset_folder_by_name(files, tmp_path):
+    # The hub branch calls load_dataset(name, config, revision); a local dataset folder is a valid name,
+    # which exercises the same code with no network.
+    spec = {"source": "hf", "name": str(files[0].parent), "splits": {"train": "train", "test": "test"}}
+    assert download_data(spec, tmp_path / "raw") == {"train": 30, "test": 7}
+
+
+def test_hf_source_with_a_missing_split_names_it(files, tmp_path):
+    spec = {"source": "hf", "name": str(files[0].parent), "splits": {"train": "train", "test": "validation"}}
+    with pytest.raises(DataError, match="'validation'.*has \\['test', 'train'\\]"):
+        download_data(spec, tmp_path / "raw")
+    assert not (tmp_path / "raw").exists()
+
+
+def test_missing_text_field_names_the_column(files, tmp_path):
+    spec = {"source": "local", "data_files": {"train": str(files[0])}, "text_field": "content"}
+    with pytest.raises(DataError, match="'content' is not a column.*\\['text', 'label'\\]"):
+        download_data(spec, tmp_path / "raw")
+
+
+def test_empty_dataset_is_refused(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    other = tmp_path / "other.txt"
+    other.write_text("one line\n")
+    spec = {"source": "local", "data_files": {"train": str(other), "test": str(empty)}}
+    with pytest.raises(DataError, match="data_files.test: .*empty.txt is empty: the test split holds no documents"):
+        download_data(spec, tmp_path / "raw")
+
+
+def test_missing_file_and_bad_spec_are_named(tmp_path):
+    with pytest.raises(DataError, match="data_files.train: file not found: .*nope.jsonl"):
+        download_data({"source": "local", "data_files": {"train": str(tmp_path / "nope.jsonl")}}, tmp_path / "r")
+    with pytest.raises(ConfigError, match="dataset.max_documents"):
+        download_data({"source": "local", "data_files": {"train": "x"}, "max_documents": 0}, tmp_path / "r")
+
+
+def test_download_failure_keeps_the_previous_output(files, tmp_path):
+    out = tmp_path / "raw"
+    download_data({"source": "local", "data_files": {"train": str(files[0])}}, out)
+    with pytest.raises(DataError):
+        download_data({"source": "local", "data_files": {"train": str(files[0])}, "text_field": "x"}, out)
+    assert len(load_from_disk(str(out))["train"]) + len(load_from_disk(str(out))["test"]) == 30
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".raw")] == []
+
+
+ARCH = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "max_position_embeddings": 64}  # fmt: skip
+
+
+def test_init_model_trains_a_tokenizer_on_the_templated_site_text(files, tmp_path):
+    raw = tmp_path / "raw"
+    download_data({"source": "local", "data_files": {"train": str(files[0])}}, raw)
+    out = tmp_path / "base"
+    spec = {"source": "init", "architecture": ARCH, "tokenizer": {"vocab_size": 300, "min_frequency": 1}}
+    corpora = [{"path": str(raw), "text_field": "text", "template": "Zqx: {text}"}]
+    download_model(spec, out, corpora)
+    tokenizer = load_tokenizer(out)
+    model = load_causal_lm(out)
+    assert model.config.vocab_size == len(tokenizer) <= 300
+    assert model.config.eos_token_id == tokenizer.eos_token_id is not None
+    # The template's rare prefix was part of the training text, so BPE learned a merge for it.
+    assert len(tokenizer("Zqx:", add_special_tokens=False)["input_ids"]) < 4
+    record = json.loads((out / "fedtune-source.json").read_text())
+    assert record["source"] == "init" and record["documents"] == 28  # 30 minus the carved test split
+    assert oct((out / "model.safetensors").stat().st_mode & 0o777) == "0o644"
+
+
+def test_local_model_is_validated_and_copied(tiny_model_dir, tmp_path):
+    out = tmp_path / "base"
+    download_model({"source": "local", "path": str(tiny_model_dir)}, out)
+    assert (out / "model.safetensors").read_bytes() == (tiny_model_dir / "model.safetensors").read_bytes()
+    assert load_causal_lm(out).config.num_hidden_layers == 2
+
+
+def test_hf_model_branch_loads_and_saves_in_the_configured_dtype(tiny_model_dir, tmp_path):
+    out = tmp_path / "base"
+    download_model({"source": "hf", "name": str(tiny_model_dir), "dtype": "bfloat16"}, out)
+    import torch
+
+    assert next(load_causal_lm(out).parameters()).dtype == torch.bfloat16
+    assert json.loads((out / "fedtune-source.json").read_text())["name"] == str(tiny_model_dir)
+
+
+def test_pickle_only_model_is_refused_unless_allowed(tmp_path):
+    folder = tmp_path / "pickled"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "pytorch_model.bin").write_bytes(b"not really a pickle")
+    with pytest.raises(ModelError, match="only pickle weights.*allow_pickle"):
+        download_model({"source": "local", "path": str(folder)}, tmp_path / "base")
+    assert not (tmp_path / "base").exists()

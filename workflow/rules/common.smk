@@ -1,0 +1,100 @@
+# Config validation, the results layout and the input functions every rule file uses.
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, workflow.basedir)
+
+from fedtune.config import ConfigError, check_config, site_train_options
+
+
+try:
+    check_config(config, source=" + ".join(map(str, workflow.configfiles)) or "config")
+except ConfigError as error:
+    raise WorkflowError(f"invalid configuration: {error}") from None
+
+
+RUN_DIR = Path(config["results"]) / config["run"]
+SITES = list(config["sites"])
+ROUNDS = list(range(1, config["federation"]["rounds"] + 1))
+SPLITS = ["train", "test"]
+
+
+wildcard_constraints:
+    site="[A-Za-z][A-Za-z0-9_]*",
+    split="train|test",
+    shard=r"\d+",
+    round=r"\d+",
+
+
+def run_path(*parts):
+    """A path under results/<run>/; parts may hold {wildcards}."""
+    return str(RUN_DIR.joinpath(*parts))
+
+
+def log_path(rule_name, *parts):
+    return run_path("logs", rule_name, *parts) + ".log"
+
+
+def to_json(value):
+    """Compact JSON for a CLI option; rules quote it with {params.x:q}."""
+    return json.dumps(value, separators=(",", ":"))
+
+
+def base_model_dir():
+    return run_path("model", "base")
+
+
+def raw_data_dir(site):
+    return run_path("data", site, "raw")
+
+
+def tokenizer_corpora():
+    """What a tokenizer built from scratch trains on: every site's templated training text."""
+    return [
+        {
+            "path": raw_data_dir(site),
+            "text_field": config["sites"][site]["dataset"]["text_field"],
+            "template": config["sites"][site]["prompt_template"],
+        }
+        for site in SITES
+    ]
+
+
+def shard_dirs(site, split):
+    shards = config["tokenize"]["shards"]
+    return [run_path("data", site, split, f"shard-{k}") for k in range(shards)]
+
+
+def manifest_path(site):
+    return run_path("data", site, "manifest.json")
+
+
+def site_model_dir(round, site):
+    return run_path(f"round-{round}", site, "model")
+
+
+def aggregate_model_dir(round):
+    return run_path(f"round-{round}", "aggregate", "model")
+
+
+def init_model_dir(round):
+    """Where round `round` starts: the base model, then the previous round's aggregate."""
+    round = int(round)
+    return base_model_dir() if round == 1 else aggregate_model_dir(round - 1)
+
+
+def train_options(site):
+    """The train section with the site's overrides merged over it, validated."""
+    return site_train_options(config, site)
+
+
+def tokenized_outputs():
+    """Every shard is a target in its own right: Snakemake then notices a deleted shard and redoes it
+    and what depends on it (a missing intermediate file alone does not trigger a rerun)."""
+    shards = [d for site in SITES for split in SPLITS for d in shard_dirs(site, split)]
+    return shards + [manifest_path(site) for site in SITES]
+
+
+def get_final_output():
+    return tokenized_outputs()

@@ -1,0 +1,40 @@
+# tokenize: one CPU job per (site, split, shard), then a manifest per site.
+
+
+rule tokenize:
+    input:
+        raw=raw_data_dir("{site}"),
+        tokenizer=base_model_dir(),
+    output:
+        directory(run_path("data", "{site}", "{split}", "shard-{shard}")),
+    params:
+        shards=config["tokenize"]["shards"],
+        block_size=config["tokenize"]["block_size"],
+        mode=config["tokenize"]["mode"],
+        bos="--add-bos" if config["tokenize"]["add_bos"] else "--no-add-bos",
+        template=lambda wc: config["sites"][wc.site]["prompt_template"],
+        text_field=lambda wc: config["sites"][wc.site]["dataset"]["text_field"],
+    threads: 2
+    resources:
+        mem_mb=4000,
+        runtime=60,
+    log:
+        log_path("tokenize", "{site}", "{split}-{shard}"),
+    shell:
+        "python -m fedtune.tokenize shard --raw {input.raw:q} --split {wildcards.split}"
+        " --shard {wildcards.shard} --num-shards {params.shards} --tokenizer {input.tokenizer:q}"
+        " --template {params.template:q} --text-field {params.text_field:q} --site {wildcards.site}"
+        " --block-size {params.block_size} --mode {params.mode} {params.bos}"
+        " --num-proc {threads} --out {output:q} > {log:q} 2>&1"
+
+
+rule tokenize_manifest:
+    input:
+        lambda wc: shard_dirs(wc.site, "train") + shard_dirs(wc.site, "test"),
+    output:
+        run_path("data", "{site}", "manifest.json"),
+    log:
+        log_path("tokenize_manifest", "{site}"),
+    localrule: True
+    shell:
+        "python -m fedtune.tokenize manifest --out {output:q} {input:q} > {log:q} 2>&1"
