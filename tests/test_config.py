@@ -59,7 +59,9 @@ CONDITIONAL = {
 
 
 def test_every_schema_key_is_documented_with_a_default():
-    undocumented = [where for where, sub, _ in schema_properties() if "description" not in sub and "$ref" not in sub]
+    undocumented = [
+        where for where, sub, _ in schema_properties() if "description" not in sub and "$ref" not in sub
+    ]
     no_default = [
         where
         for where, sub, required in schema_properties()
@@ -104,17 +106,37 @@ BAD = [
     ("unknown mode", edit("tokenize.mode", "chunks"), "tokenize.mode"),
     ("missing data file", edit("sites.alpha.dataset.data_files.train", "data/nope.jsonl"), "data/nope.jsonl"),
     ("template without {text}", edit("sites.alpha.prompt_template", "Write:"), "sites.alpha.prompt_template"),
-    ("template with another field", edit("sites.beta.prompt_template", "{lang}: {text}"), "sites.beta.prompt_template"),
-    ("template with a broken brace", edit("sites.beta.prompt_template", "{text} {"), "sites.beta.prompt_template"),
-    ("site name not an identifier", edit("sites.bad name", {"dataset": {"source": "hf", "name": "x"}}), "bad name"),
-    ("site name with a shell character", edit("sites.a;rm", {"dataset": {"source": "hf", "name": "x"}}), "a;rm"),
+    (
+        "template with another field",
+        edit("sites.beta.prompt_template", "{lang}: {text}"),
+        "sites.beta.prompt_template",
+    ),
+    (
+        "template with a broken brace",
+        edit("sites.beta.prompt_template", "{text} {"),
+        "sites.beta.prompt_template",
+    ),
+    (
+        "site name not an identifier",
+        edit("sites.bad name", {"dataset": {"source": "hf", "name": "x"}}),
+        "bad name",
+    ),
+    (
+        "site name with a shell character",
+        edit("sites.a;rm", {"dataset": {"source": "hf", "name": "x"}}),
+        "a;rm",
+    ),
     ("run name with a slash", edit("run", "../elsewhere"), "run"),
     ("dataset source unknown", edit("sites.alpha.dataset.source", "ftp"), "sites.alpha.dataset.source"),
     ("hf dataset without name", edit("sites.alpha.dataset", {"source": "hf"}), "sites.alpha.dataset"),
     ("hf model without name", edit("model", {"source": "hf"}), "model"),
     ("local model folder missing", edit("model", {"source": "local", "path": "no/such/model"}), "model.path"),
     ("unknown train backend", edit("train.backend", "horovod"), "train.backend"),
-    ("unknown sharding in a site override", edit("sites.beta.train", {"sharding": "half"}), "sites.beta.train.sharding"),
+    (
+        "unknown sharding in a site override",
+        edit("sites.beta.train", {"sharding": "half"}),
+        "sites.beta.train.sharding",
+    ),
     ("block size above max positions", edit("tokenize.block_size", 512), "max_position_embeddings"),
     ("negative aggregation weight", edit("aggregate.weights", {"alpha": -1, "beta": 1}), "aggregate.weights"),
     ("weights summing to zero", edit("aggregate.weights", {"alpha": 0, "beta": 0}), "sum to zero"),

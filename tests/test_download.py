@@ -82,13 +82,17 @@ def test_empty_dataset_is_refused(tmp_path):
     other = tmp_path / "other.txt"
     other.write_text("one line\n")
     spec = {"source": "local", "data_files": {"train": str(other), "test": str(empty)}}
-    with pytest.raises(DataError, match="data_files.test: .*empty.txt is empty: the test split holds no documents"):
+    with pytest.raises(
+        DataError, match="data_files.test: .*empty.txt is empty: the test split holds no documents"
+    ):
         download_data(spec, tmp_path / "raw")
 
 
 def test_missing_file_and_bad_spec_are_named(tmp_path):
     with pytest.raises(DataError, match="data_files.train: file not found: .*nope.jsonl"):
-        download_data({"source": "local", "data_files": {"train": str(tmp_path / "nope.jsonl")}}, tmp_path / "r")
+        download_data(
+            {"source": "local", "data_files": {"train": str(tmp_path / "nope.jsonl")}}, tmp_path / "r"
+        )
     with pytest.raises(ConfigError, match="dataset.max_documents"):
         download_data({"source": "local", "data_files": {"train": "x"}, "max_documents": 0}, tmp_path / "r")
 

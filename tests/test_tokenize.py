@@ -25,9 +25,9 @@ TEMPLATE = "Doc: {text}"
 def raw(tmp_path_factory):
     texts = corpus(60) + ["word " * 200]  # one document longer than any block, to test truncation
     path = tmp_path_factory.mktemp("raw") / "raw"
-    DatasetDict({"train": Dataset.from_dict({"text": texts}), "test": Dataset.from_dict({"text": texts[:9]})}).save_to_disk(
-        str(path)
-    )
+    DatasetDict(
+        {"train": Dataset.from_dict({"text": texts}), "test": Dataset.from_dict({"text": texts[:9]})}
+    ).save_to_disk(str(path))
     return path, texts
 
 
@@ -89,7 +89,9 @@ def test_padding_matches_a_hand_computation(raw, tokenizer, tiny_model_dir, tmp_
 
 def test_no_bos_and_the_template_reach_the_tokens(raw, tokenizer, tiny_model_dir, tmp_path):
     raw_path, texts = raw
-    _, data = shard(raw_path, tiny_model_dir, tmp_path / "s", mode="padding", add_bos=False, template="{text}")
+    _, data = shard(
+        raw_path, tiny_model_dir, tmp_path / "s", mode="padding", add_bos=False, template="{text}"
+    )
     short = min(range(len(texts)), key=lambda i: len(texts[i]))
     ids = tokenizer(texts[short], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     assert len(ids) < 32
@@ -101,7 +103,8 @@ def test_shards_partition_the_documents(raw, tiny_model_dir, tmp_path, mode):
     raw_path, texts = raw
     one, one_data = shard(raw_path, tiny_model_dir, tmp_path / "one", mode=mode)
     parts = [
-        shard(raw_path, tiny_model_dir, tmp_path / f"part-{k}", mode=mode, num_shards=3, index=k) for k in range(3)
+        shard(raw_path, tiny_model_dir, tmp_path / f"part-{k}", mode=mode, num_shards=3, index=k)
+        for k in range(3)
     ]
     for key in ("documents", "tokens", "bytes"):
         assert sum(counts[key] for counts, _ in parts) == one[key], key
@@ -132,7 +135,9 @@ def test_manifest_sums_each_split_and_requires_every_shard(raw, tiny_model_dir, 
     for split in ("train", "test"):
         for k in range(2):
             out = site / split / f"shard-{k}"
-            results.append(shard(raw[0], tiny_model_dir, out, split=split, num_shards=2, index=k, site="alpha")[0])
+            results.append(
+                shard(raw[0], tiny_model_dir, out, split=split, num_shards=2, index=k, site="alpha")[0]
+            )
     dirs = [site / s / f"shard-{k}" for s in ("train", "test") for k in range(2)]
     manifest = write_manifest(dirs, site / "manifest.json")
     assert json.loads((site / "manifest.json").read_text()) == manifest

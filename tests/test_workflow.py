@@ -8,7 +8,10 @@ import pytest
 from .workflow_harness import demo_config, job_counts, snakemake, write_config
 
 MANIFESTS = [
-    f"results/demo/data/{site}/{split}/shard-{k}" for site in ("alpha", "beta") for split in ("train", "test") for k in (0, 1)
+    f"results/demo/data/{site}/{split}/shard-{k}"
+    for site in ("alpha", "beta")
+    for split in ("train", "test")
+    for k in (0, 1)
 ] + ["results/demo/data/alpha/manifest.json", "results/demo/data/beta/manifest.json"]
 
 

@@ -43,7 +43,9 @@ def snakemake(workdir: Path, *args: str, profile: str = "local", check: bool = T
     ]  # fmt: skip
     result = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
-        raise AssertionError(f"snakemake {' '.join(args)} failed:\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}")
+        raise AssertionError(
+            f"snakemake {' '.join(args)} failed:\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
+        )
     return result
 
 

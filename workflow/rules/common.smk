@@ -1,12 +1,17 @@
 # Config validation, the results layout and the input functions every rule file uses.
 import json
+import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, workflow.basedir)
+# Jobs run `python -m fedtune.<stage>` from any working directory and in any software environment
+# (venv, conda, container): the package is found through PYTHONPATH, which jobs inherit.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    filter(None, [workflow.basedir, os.environ.get("PYTHONPATH")])
+)
 
 from fedtune.config import ConfigError, check_config, site_train_options
-
 
 try:
     check_config(config, source=" + ".join(map(str, workflow.configfiles)) or "config")
@@ -14,10 +19,41 @@ except ConfigError as error:
     raise WorkflowError(f"invalid configuration: {error}") from None
 
 
+# Software per rule, for --software-deployment-method conda or apptainer (a plain venv is the default).
+CONDA_ENV = "../../envs/fedtune.yaml"
+CONTAINER = os.environ.get("FEDTUNE_CONTAINER", "fedtune.sif")
+
 RUN_DIR = Path(config["results"]) / config["run"]
 SITES = list(config["sites"])
 ROUNDS = list(range(1, config["federation"]["rounds"] + 1))
 SPLITS = ["train", "test"]
+
+# Multi-cluster federation: which sites train here, and whether the models meet here.
+HERE = config["cluster"]
+AGGREGATE_ON = (
+    config["federation"]["aggregate_on"] or config["sites"][SITES[0]]["cluster"]
+)
+
+
+def site_cluster(site):
+    return config["sites"][site]["cluster"]
+
+
+def trains_here(site):
+    return HERE is None or site_cluster(site) == HERE
+
+
+def aggregates_here():
+    return HERE is None or HERE == AGGREGATE_ON
+
+
+LOCAL_SITES = [site for site in SITES if trains_here(site)]
+REMOTE_SITES = [site for site in SITES if not trains_here(site)]
+
+
+def one_of(names):
+    """A wildcard constraint matching exactly these names (or nothing when there are none)."""
+    return "|".join(names) if names else "(?!)"
 
 
 wildcard_constraints:
@@ -89,11 +125,32 @@ def train_options(site):
     return site_train_options(config, site)
 
 
+def remote_source(cluster, relative, target):
+    """Where another cluster keeps `relative` (a path inside its run folder), for rsync. Without a
+    remote for that cluster, the error says what to run where instead."""
+    remote = config["federation"]["remotes"].get(cluster)
+    if remote is None:
+        raise WorkflowError(
+            f"{target} is missing: it is made on cluster {cluster}. Either run there "
+            f"`snakemake --profile profiles/{cluster} {target}` and copy it here, or set "
+            f"federation.remotes.{cluster} to that run's folder (user@host:/path/{RUN_DIR}) so this "
+            f"run fetches it with rsync."
+        )
+    return f"{remote.rstrip('/')}/{relative}"
+
+
+def fetch_hint(cluster, target):
+    return f"Produce it first on {cluster}: snakemake --profile profiles/{cluster} {target}"
+
+
 def tokenized_outputs():
     """Every shard is a target in its own right: Snakemake then notices a deleted shard and redoes it
-    and what depends on it (a missing intermediate file alone does not trigger a rerun)."""
-    shards = [d for site in SITES for split in SPLITS for d in shard_dirs(site, split)]
-    return shards + [manifest_path(site) for site in SITES]
+    and what depends on it (a missing intermediate file alone does not trigger a rerun).
+    """
+    shards = [
+        d for site in LOCAL_SITES for split in SPLITS for d in shard_dirs(site, split)
+    ]
+    return shards + [manifest_path(site) for site in LOCAL_SITES]
 
 
 def get_final_output():

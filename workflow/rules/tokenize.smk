@@ -7,6 +7,16 @@ rule tokenize:
         tokenizer=base_model_dir(),
     output:
         directory(run_path("data", "{site}", "{split}", "shard-{shard}")),
+    log:
+        log_path("tokenize", "{site}", "{split}-{shard}"),
+    conda:
+        CONDA_ENV
+    container:
+        CONTAINER
+    threads: 2
+    resources:
+        mem_mb=4000,
+        runtime=60,
     params:
         shards=config["tokenize"]["shards"],
         block_size=config["tokenize"]["block_size"],
@@ -14,12 +24,6 @@ rule tokenize:
         bos="--add-bos" if config["tokenize"]["add_bos"] else "--no-add-bos",
         template=lambda wc: config["sites"][wc.site]["prompt_template"],
         text_field=lambda wc: config["sites"][wc.site]["dataset"]["text_field"],
-    threads: 2
-    resources:
-        mem_mb=4000,
-        runtime=60,
-    log:
-        log_path("tokenize", "{site}", "{split}-{shard}"),
     shell:
         "python -m fedtune.tokenize shard --raw {input.raw:q} --split {wildcards.split}"
         " --shard {wildcards.shard} --num-shards {params.shards} --tokenizer {input.tokenizer:q}"
@@ -32,9 +36,15 @@ rule tokenize_manifest:
     input:
         lambda wc: shard_dirs(wc.site, "train") + shard_dirs(wc.site, "test"),
     output:
-        run_path("data", "{site}", "manifest.json"),
+        manifest_path("{site}"),
     log:
         log_path("tokenize_manifest", "{site}"),
+    wildcard_constraints:
+        site=one_of(LOCAL_SITES),
     localrule: True
+    conda:
+        CONDA_ENV
+    container:
+        CONTAINER
     shell:
         "python -m fedtune.tokenize manifest --out {output:q} {input:q} > {log:q} 2>&1"
