@@ -17,10 +17,22 @@ def _tmp_sibling(path: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
 
 
+def remove_stale(path: Path) -> None:
+    """Remove what a killed writer of `path` left behind (SIGKILL runs no cleanup). One writer per
+    path at a time is the workflow's invariant: Snakemake never runs two jobs for one output."""
+    if path.parent.is_dir():
+        for stale in path.parent.glob(f".{path.name}.tmp-*"):
+            if stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.unlink(missing_ok=True)
+
+
 @contextlib.contextmanager
 def atomic_dir(path: str | Path) -> Iterator[Path]:
     """Yield a temporary folder beside `path`; on success it replaces `path` in one rename."""
     path = Path(path)
+    remove_stale(path)
     tmp = _tmp_sibling(path)
     try:
         yield tmp

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from fedtune.atomic import atomic_dir, write_json
 from fedtune.config import ConfigError, validate_section
+from fedtune.secrets import redact
 
 SPLITS = ("train", "test")
 FORMATS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet", ".csv": "csv"}
@@ -188,7 +189,7 @@ def main(argv=None) -> int:
         else:
             download_model(json.loads(args.spec), args.out, json.loads(args.corpora))
     except (ConfigError, DataError, ValueError, OSError) as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {redact(str(error))}", file=sys.stderr)
         return 2
     return 0
 
