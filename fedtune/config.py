@@ -153,7 +153,8 @@ def check_config(config: dict, *, source: str = "config", base_dir: Path | None 
             )
         if sum(weights.values()) <= 0:
             raise ConfigError(f"{source}: aggregate.weights: the weights sum to zero")
-    max_positions = model["architecture"].get("max_position_embeddings")
+    architecture = model["architecture"]
+    max_positions = architecture.get("max_position_embeddings", architecture.get("n_positions"))
     if max_positions is not None and config["tokenize"]["block_size"] > max_positions:
         raise ConfigError(
             f"{source}: tokenize.block_size: {config['tokenize']['block_size']} exceeds "
