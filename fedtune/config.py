@@ -5,6 +5,7 @@ must exist, a template that must format) and the merging of per-site train overr
 from __future__ import annotations
 
 import copy
+import functools
 import string
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,6 +29,7 @@ def _load_yaml(path: Path) -> Any:
         return yaml.safe_load(f)
 
 
+@functools.cache
 def _registry() -> Registry:
     resources = []
     for path in sorted(SCHEMA_DIR.glob("*.schema.yaml")):
@@ -52,6 +54,11 @@ def _with_defaults(validator_class):
 
 
 _DefaultFilling = _with_defaults(jsonschema.Draft202012Validator)
+
+
+@functools.cache
+def _validator(schema_name: str):
+    return _DefaultFilling(schema(schema_name), registry=_registry())
 
 
 def schema(name: str = MAIN_SCHEMA) -> dict:
@@ -79,7 +86,7 @@ def _explain(error: jsonschema.ValidationError) -> str:
 def validate_section(data: Any, schema_name: str, *, source: str, prefix: str = "") -> Any:
     """Validate `data` against one schema file, filling defaults in place; raise ConfigError naming
     `source` (a file or a CLI option) and the key path of the first problem."""
-    validator = _DefaultFilling(schema(schema_name), registry=_registry())
+    validator = _validator(schema_name)
     errors = sorted(validator.iter_errors(data), key=lambda e: (len(list(e.absolute_path)), e.message))
     if errors:
         err = errors[0]

@@ -120,9 +120,15 @@ def init_model_dir(round):
     return base_model_dir() if round == 1 else aggregate_model_dir(round - 1)
 
 
+_TRAIN_OPTIONS = {}
+
+
 def train_options(site):
-    """The train section with the site's overrides merged over it, validated."""
-    return site_train_options(config, site)
+    """The train section with the site's overrides merged over it, validated (once per site: input
+    functions ask for it for every job)."""
+    if site not in _TRAIN_OPTIONS:
+        _TRAIN_OPTIONS[site] = site_train_options(config, site)
+    return _TRAIN_OPTIONS[site]
 
 
 def remote_source(cluster, relative, target):
