@@ -54,7 +54,9 @@ def load_splits(spec: dict):
                 if not Path(file).is_file():
                     raise DataError(f"dataset.data_files.{split}: file not found: {file}")
                 if Path(file).stat().st_size == 0:
-                    raise DataError(f"dataset.data_files.{split}: {file} is empty: the {split} split holds no documents")
+                    raise DataError(
+                        f"dataset.data_files.{split}: {file} is empty: the {split} split holds no documents"
+                    )
         loaded = load_dataset(_format(spec), data_files=spec["data_files"])
         names = {"train": "train", "test": "test" if "test" in spec["data_files"] else None}
         label = ", ".join(_files(spec["data_files"]["train"]))

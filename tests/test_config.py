@@ -126,6 +126,11 @@ BAD = [
         edit("sites.a;rm", {"dataset": {"source": "hf", "name": "x"}}),
         "a;rm",
     ),
+    (
+        "site named like the merged model",
+        edit("sites.aggregate", {"dataset": {"source": "hf", "name": "x"}}),
+        "aggregate",
+    ),
     ("run name with a slash", edit("run", "../elsewhere"), "run"),
     ("dataset source unknown", edit("sites.alpha.dataset.source", "ftp"), "sites.alpha.dataset.source"),
     ("hf dataset without name", edit("sites.alpha.dataset", {"source": "hf"}), "sites.alpha.dataset"),

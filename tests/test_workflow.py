@@ -79,3 +79,24 @@ def test_config_error_stops_before_any_job(tmp_path):
     assert result.returncode != 0
     assert "tokenize.mode" in result.stderr and "config.yaml" in result.stderr
     assert not (tmp_path / "results").exists()
+
+
+def test_two_rounds_unroll_in_the_dag(tmp_path):
+    config = demo_config()
+    config["federation"]["rounds"] = 2
+    write_config(tmp_path, config)
+    result = snakemake(tmp_path, "-n")
+    counts = job_counts(result.stdout)
+    assert counts["train"] == 4 and counts["aggregate"] == 2 and counts["report"] == 1
+    assert counts["evaluate_base"] == 2
+    assert counts["evaluate_round"] == 2 * 3 * 2  # rounds x (2 site models + aggregate) x 2 test sets
+    # Round 2 starts from round 1's aggregate, round 1 from the base model.
+    jobs = result.stdout.split("\n\n")
+    train_inputs = {
+        line.split("input: ")[1].split(",")[0]
+        for job in jobs
+        if "rule train:" in job
+        for line in job.splitlines()
+        if line.strip().startswith("input:")
+    }
+    assert train_inputs == {"results/demo/model/base", "results/demo/round-1/aggregate/model"}

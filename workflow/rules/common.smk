@@ -7,8 +7,10 @@ from pathlib import Path
 sys.path.insert(0, workflow.basedir)
 # Jobs run `python -m fedtune.<stage>` from any working directory and in any software environment
 # (venv, conda, container): the package is found through PYTHONPATH, which jobs inherit.
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    filter(None, [workflow.basedir, os.environ.get("PYTHONPATH")])
+os.environ.update(
+    PYTHONPATH=os.pathsep.join(
+        filter(None, [workflow.basedir, os.environ.get("PYTHONPATH")])
+    )
 )
 
 from fedtune.config import ConfigError, check_config, site_train_options
@@ -160,4 +162,11 @@ def tokenized_outputs():
 
 
 def get_final_output():
-    return tokenized_outputs()
+    """Where the models meet: the report (which needs every stage). Elsewhere: this cluster's sites'
+    models of every round, which the aggregating cluster fetches."""
+    targets = tokenized_outputs()
+    if aggregates_here():
+        targets.append(run_path("report", "perplexity.csv"))
+    else:
+        targets += [site_model_dir(r, site) for r in ROUNDS for site in LOCAL_SITES]
+    return targets

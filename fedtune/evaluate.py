@@ -1,0 +1,318 @@
+"""Perplexity and bits per byte of one model on one site's test text.
+
+The documents are templated and tokenized exactly as the tokenize stage does it (BOS before and EOS
+after each document, nothing added by the tokenizer itself) and joined into one token stream. The stream
+is scored over windows of `max_length` tokens that start every `stride` tokens; in each window only the
+tokens not scored by an earlier window count, the rest is context (labels -100), as in the Hugging Face
+perplexity guide (https://huggingface.co/docs/transformers/perplexity). stride = max_length gives
+disjoint blocks, where the first token of each block has no context and is not scored.
+
+Perplexity depends on the tokenizer; bits per byte (total NLL in bits over the UTF-8 bytes of the text)
+does not, so models with different vocabularies can be compared on it."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from fedtune import offline
+
+
+class EvaluateError(ValueError):
+    """Bad options or data: the message names the option or the file to fix."""
+
+
+@dataclass(frozen=True)
+class Window:
+    begin: int  # first token of the window in the stream
+    end: int  # one past the last token
+    targets: int  # the last `targets` tokens of the window are scored (when they have a predecessor)
+
+
+@dataclass
+class Stream:
+    ids: list[int]
+    documents: int
+    bytes: int
+
+
+def windows(n_tokens: int, max_length: int, stride: int | None = None) -> list[Window]:
+    """The HF perplexity guide's windows over a stream of n_tokens; stride None means disjoint blocks."""
+    stride = max_length if stride is None else stride
+    if max_length < 2:
+        raise EvaluateError(f"--max-length: {max_length} is too small (at least 2 tokens)")
+    if not 1 <= stride <= max_length:
+        raise EvaluateError(f"--stride: {stride} must be between 1 and --max-length ({max_length})")
+    result = []
+    previous_end = 0
+    for begin in range(0, n_tokens, stride):
+        end = min(begin + max_length, n_tokens)
+        result.append(Window(begin, end, end - previous_end))
+        previous_end = end
+        if end == n_tokens:
+            break
+    return result
+
+
+def build_stream(
+    texts: Iterable[str], tokenizer, template: str = "{text}", *, add_bos: bool = True
+) -> Stream:
+    """Template, tokenize and join the documents: [BOS] doc [EOS] [BOS] doc [EOS] ...
+
+    The tokenize stage's own encoder does it, so the evaluated text is exactly the trained-on kind."""
+    from fedtune.tokenize import TokenizeError, encode_documents
+
+    texts = list(texts)
+    try:
+        flat, _, n_bytes = encode_documents(texts, tokenizer, template, add_bos)
+    except TokenizeError as e:
+        raise EvaluateError(str(e)) from None
+    return Stream(flat.tolist(), len(texts), n_bytes)
+
+
+def score(model, ids: Sequence[int], max_length: int, stride: int | None, batch_size: int, device=None):
+    """(total NLL in nats, tokens scored, windows) of `model` on the token stream `ids`."""
+    import torch
+    import torch.nn.functional as F
+
+    device = device or next(model.parameters()).device
+    spans = windows(len(ids), max_length, stride)
+    stream = torch.tensor(ids, dtype=torch.long)
+    # Summed on the device, read once at the end: a .item() per batch would stall a GPU every step.
+    nll = torch.zeros((), dtype=torch.float64, device=device)
+    scored = 0
+    for first in range(0, len(spans), batch_size):
+        batch = spans[first : first + batch_size]
+        width = max(w.end - w.begin for w in batch)
+        # Right padding: a causal model's earlier positions never see it, and its labels are masked.
+        input_ids = torch.zeros((len(batch), width), dtype=torch.long)
+        labels = torch.full((len(batch), width), -100, dtype=torch.long)
+        attention = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, w in enumerate(batch):
+            length = w.end - w.begin
+            input_ids[row, :length] = stream[w.begin : w.end]
+            attention[row, :length] = 1
+            context = max(length - w.targets, 0)
+            labels[row, context:length] = stream[w.begin + context : w.end]
+        scored += int((labels[:, 1:] != -100).sum())
+        padded = bool((attention == 0).any())
+        input_ids, labels = input_ids.to(device), labels.to(device)
+        with torch.inference_mode():
+            logits = model(
+                input_ids=input_ids,
+                attention_mask=attention.to(device) if padded else None,
+                use_cache=False,
+            ).logits
+            # Row by row: fp32 logits of a whole batch of a 32k-vocabulary model take gigabytes.
+            for row in range(len(batch)):
+                nll += F.cross_entropy(
+                    logits[row, :-1].float(), labels[row, 1:], ignore_index=-100, reduction="sum"
+                ).double()
+    return nll.item(), scored, len(spans)
+
+
+def load_texts(data_dir: str | Path, split: str, text_field: str, max_documents: int | None) -> list[str]:
+    from datasets import DatasetDict, load_from_disk
+
+    try:
+        data = load_from_disk(str(data_dir))
+    except FileNotFoundError:
+        raise EvaluateError(f"--data: no dataset saved with save_to_disk at {data_dir}") from None
+    if isinstance(data, DatasetDict):
+        if split not in data:
+            raise EvaluateError(f"--split: {data_dir} has no split {split!r}; it has {sorted(data)}")
+        data = data[split]
+    if text_field not in data.column_names:
+        raise EvaluateError(
+            f"--text-field: {data_dir} has no column {text_field!r}; it has {data.column_names}"
+        )
+    if max_documents is not None:
+        data = data.select(range(min(max_documents, len(data))))
+    return list(data[text_field])
+
+
+def evaluate(
+    model_dir: str | Path,
+    data_dir: str | Path,
+    *,
+    split: str = "test",
+    text_field: str = "text",
+    template: str = "{text}",
+    max_length: int = 128,
+    stride: int | None = None,
+    batch_size: int = 8,
+    max_documents: int | None = None,
+    add_bos: bool = True,
+    dtype: str | None = None,
+    device: str | None = None,
+    site: str | None = None,
+    label: str | None = None,
+    round_number: int | None = None,
+) -> dict:
+    import torch
+
+    from fedtune.models import load_causal_lm, load_tokenizer
+
+    started = time.perf_counter()
+    windows(max_length, max_length, stride)  # option checks, before loading anything
+    if batch_size < 1:
+        raise EvaluateError(f"--batch-size: {batch_size} must be at least 1")
+    try:
+        template.format(text="")
+    except (KeyError, IndexError, ValueError) as e:
+        raise EvaluateError(
+            f"--template: {template!r} is not a format string with only {{text}}: {e}"
+        ) from None
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+    texts = load_texts(data_dir, split, text_field, max_documents)
+    tokenizer = load_tokenizer(model_dir)
+    stream = build_stream(texts, tokenizer, template, add_bos=add_bos)
+    if len(stream.ids) < 2:
+        raise EvaluateError(f"{data_dir} ({split}): {len(stream.ids)} tokens, nothing to score")
+    model = load_causal_lm(model_dir, dtype=dtype)
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if positions is not None and max_length > positions:
+        raise EvaluateError(
+            f"--max-length: {max_length} exceeds the model's max_position_embeddings ({positions})"
+        )
+    model.to(device).eval()
+
+    nll, scored, n_windows = score(model, stream.ids, max_length, stride, batch_size, device)
+    mean = nll / scored
+    return {
+        "model": label or Path(model_dir).name,
+        "model_dir": str(model_dir),
+        "round": round_number,
+        "site": site,
+        "data": str(data_dir),
+        "split": split,
+        "perplexity": math.exp(mean),
+        "nll": mean,
+        "nll_sum": nll,
+        "bits_per_byte": nll / math.log(2) / stream.bytes if stream.bytes else None,
+        "tokens": scored,
+        "stream_tokens": len(stream.ids),
+        "documents": stream.documents,
+        "bytes": stream.bytes,
+        "windows": n_windows,
+        "max_length": max_length,
+        "stride": stride if stride is not None else max_length,
+        "batch_size": batch_size,
+        "template": template,
+        "add_bos": add_bos,
+        "device": str(device),
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "wall_time_s": round(time.perf_counter() - started, 3),
+    }
+
+
+def _stride(text: str) -> int | None:
+    if text.lower() in ("none", "null", ""):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a number nor none") from None
+
+
+OPTION_KEYS = ("max_length", "stride", "batch_size", "max_documents", "dtype")
+_UNSET = object()
+
+
+def resolve_options(options_json: str | None, flags: dict) -> dict:
+    """The evaluate config section (--options, validated and completed with the defaults of
+    evaluate.schema.yaml), with any option also given as its own flag taking precedence."""
+    import json
+
+    from fedtune.config import ConfigError, validate_section
+
+    try:
+        options = json.loads(options_json) if options_json else {}
+    except json.JSONDecodeError as e:
+        raise EvaluateError(f"--options: not valid JSON: {e}") from None
+    try:
+        options = validate_section(options, "evaluate.schema.yaml", source="--options", prefix="evaluate")
+    except ConfigError as e:
+        raise EvaluateError(str(e)) from None
+    return {key: options[key] if flags.get(key, _UNSET) is _UNSET else flags[key] for key in OPTION_KEYS}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    offline.enforce()
+    parser = argparse.ArgumentParser(
+        prog="python -m fedtune.evaluate",
+        description="Perplexity and bits per byte of one model on one site's raw test split.",
+    )
+    parser.add_argument("--model", required=True, help="HF model folder (save_pretrained)")
+    parser.add_argument(
+        "--data", required=True, help="raw DatasetDict folder (save_to_disk): data/<site>/raw"
+    )
+    parser.add_argument("--split", default="test")
+    parser.add_argument("--text-field", default="text")
+    parser.add_argument("--template", default="{text}", help="format string applied to each document")
+    parser.add_argument(
+        "--options",
+        default=None,
+        help="the evaluate config section as JSON (evaluate.schema.yaml); the flags below override it",
+    )
+    parser.add_argument("--max-length", type=int, default=_UNSET, help="tokens per window (128)")
+    parser.add_argument(
+        "--stride",
+        type=_stride,
+        default=_UNSET,
+        help="step between windows; none: max-length, disjoint blocks (none)",
+    )
+    parser.add_argument("--batch-size", type=int, default=_UNSET, help="windows per forward pass (8)")
+    parser.add_argument(
+        "--max-documents", type=int, default=_UNSET, help="evaluate the first N documents (all)"
+    )
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=_UNSET)
+    parser.add_argument("--add-bos", action=argparse.BooleanOptionalAction, default=True, help="as tokenize")
+    parser.add_argument("--device", default=None, help="default: cuda when present, else cpu")
+    parser.add_argument("--site", default=None, help="name of the site whose text this is (for the report)")
+    parser.add_argument(
+        "--label", default=None, help="name of the model in the report: base, a site, aggregate"
+    )
+    parser.add_argument("--round", type=int, default=None, help="federation round of the model (base: 0)")
+    parser.add_argument("--out", required=True, help="result JSON")
+    args = parser.parse_args(argv)
+
+    from fedtune.atomic import write_json
+    from fedtune.models import ModelError
+
+    try:
+        options = resolve_options(args.options, {key: getattr(args, key) for key in OPTION_KEYS})
+        result = evaluate(
+            args.model,
+            args.data,
+            split=args.split,
+            text_field=args.text_field,
+            template=args.template,
+            add_bos=args.add_bos,
+            device=args.device,
+            site=args.site,
+            label=args.label,
+            round_number=args.round,
+            **options,
+        )
+    except (EvaluateError, ModelError) as e:
+        print(f"evaluate: error: {e}", file=sys.stderr)
+        return 2
+    write_json(args.out, result)
+    print(
+        f"[evaluate] {result['model']} on {result['site'] or args.data}: perplexity {result['perplexity']:.4f}, "
+        f"{result['bits_per_byte']:.4f} bits/byte, {result['tokens']:,} tokens in {result['windows']} windows, "
+        f"{result['wall_time_s']:.1f} s on {result['device']}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,381 @@
+"""The run's report: every model on every site's test text, and how each site's training went.
+
+Inputs are the evaluate stage's JSON files (each names its model, round and site) and the train stage's
+training.json and loss.csv per (round, site). Outputs, in --out:
+
+    perplexity.csv / .md     one row per model (round, model), one column per site's test split
+    bits_per_byte.csv        the same for bits per byte, which compares models across tokenizers
+    perplexity.png           heatmap of the perplexity table
+    rounds.png               perplexity of each round's aggregate (and the base model) per site
+    training.csv / .md       per (round, site): steps, tokens, wall time, tokens/s, final loss
+    loss.png                 loss curves of every site, rounds one after the other
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import pandas as pd
+
+from fedtune import offline
+
+BASE = "base"
+AGGREGATE = "aggregate"
+
+TRAINING_COLUMNS = [
+    "round",
+    "site",
+    "steps",
+    "tokens",
+    "wall_time_s",
+    "tokens_per_s",
+    "final_loss",
+    "world_size",
+    "backend",
+    "sharding",
+]
+
+
+class ReportError(ValueError):
+    """Inputs that do not fit together: the message names the file."""
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ReportError(f"{path}: not found") from None
+    except json.JSONDecodeError as e:
+        raise ReportError(f"{path}: not valid JSON: {e}") from None
+
+
+def _warn(message: str) -> None:
+    print(f"report: warning: {message}", file=sys.stderr)
+
+
+def parse_labelled(item: str, option: str) -> tuple[int, str, Path]:
+    """ROUND:SITE=PATH -> (round, site, path)."""
+    key, sep, path = item.partition("=")
+    round_text, colon, site = key.partition(":")
+    if not (sep and colon and path and site and round_text.isdigit()):
+        raise ReportError(f"{option}: {item!r} is not ROUND:SITE=PATH (for example 1:alpha=results/...)")
+    return int(round_text), site, Path(path)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tables
+
+
+def model_order(model: str, sites: Sequence[str]) -> tuple[int, int, str]:
+    if model == BASE:
+        return (0, 0, model)
+    if model in sites:
+        return (1, sites.index(model), model)
+    if model == AGGREGATE:
+        return (2, 0, model)
+    return (3, 0, model)
+
+
+def eval_table(results: Sequence[dict], metric: str) -> pd.DataFrame:
+    """Rows (round, model), columns the sites in order of first appearance; base is round 0."""
+    sites: list[str] = []
+    rows: dict[tuple[int, str], dict[str, float]] = {}
+    for r in results:
+        if r["site"] not in sites:
+            sites.append(r["site"])
+        key = (r["round"], r["model"])
+        cell = rows.setdefault(key, {})
+        if r["site"] in cell:
+            raise ReportError(f"two results for model {r['model']} (round {r['round']}) on site {r['site']}")
+        cell[r["site"]] = r[metric]
+    keys = sorted(rows, key=lambda k: (k[0], *model_order(k[1], sites)))
+    table = pd.DataFrame(
+        [
+            {"round": rnd, "model": model, **{s: rows[(rnd, model)].get(s) for s in sites}}
+            for rnd, model in keys
+        ],
+        columns=["round", "model", *sites],
+    )
+    return table
+
+
+def load_evals(paths: Sequence[str | Path]) -> list[dict]:
+    results = []
+    for path in paths:
+        r = _read_json(Path(path))
+        missing = [k for k in ("model", "site", "perplexity") if r.get(k) is None]
+        if missing:
+            raise ReportError(f"{path}: evaluation result without {missing}")
+        r["round"] = int(r.get("round") or 0)
+        results.append(r)
+    return results
+
+
+def training_table(entries: Sequence[tuple[int, str, Path]]) -> pd.DataFrame:
+    rows = []
+    for rnd, site, path in entries:
+        if not Path(path).is_file():
+            _warn(f"{path}: training summary not found; site {site} round {rnd} left out")
+            continue
+        t = _read_json(path)
+        tokens = t.get("tokens_seen", t.get("tokens"))
+        wall = t.get("wall_time_s")
+        speed = t.get("tokens_per_s")
+        if speed is None and tokens is not None and wall:
+            speed = tokens / wall
+        rows.append(
+            {
+                "round": rnd,
+                "site": t.get("site", site),
+                "steps": t.get("steps"),
+                "tokens": tokens,
+                "wall_time_s": wall,
+                "tokens_per_s": speed,
+                "final_loss": t.get("final_loss"),
+                "world_size": t.get("world_size"),
+                "backend": t.get("backend"),
+                "sharding": t.get("sharding"),
+            }
+        )
+    table = pd.DataFrame(rows, columns=TRAINING_COLUMNS)
+    for column in ("round", "steps", "tokens", "world_size"):
+        table[column] = pd.to_numeric(table[column]).astype("Int64")
+    return table.sort_values(["round"], kind="stable").reset_index(drop=True)
+
+
+def _cell(value, digits: int) -> str:
+    if value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def markdown(table: pd.DataFrame, digits: int | dict[str, int] = 3, bold_min: Sequence[str] = ()) -> str:
+    """A GitHub Markdown table; `digits` per column or for all; in `bold_min` columns the lowest is bold."""
+    header = "| " + " | ".join(str(c) for c in table.columns) + " |"
+    align = (
+        "|"
+        + "|".join("---:" if pd.api.types.is_numeric_dtype(table[c]) else "---" for c in table.columns)
+        + "|"
+    )
+    best = {c: table[c].min() for c in bold_min if table[c].notna().any()}
+    lines = [header, align]
+    for _, row in table.iterrows():
+        cells = []
+        for c in table.columns:
+            value = row[c]
+            value = value.item() if hasattr(value, "item") else value
+            text = _cell(value, digits.get(c, 3) if isinstance(digits, dict) else digits)
+            if c in best and value == best[c]:
+                text = f"**{text}**"
+            cells.append(text)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _row_labels(table: pd.DataFrame) -> list[str]:
+    return [
+        model if rnd == 0 else f"round {rnd} · {model}"
+        for rnd, model in zip(table["round"], table["model"], strict=True)
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Figures
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _short(value: float) -> str:
+    return f"{value:,.0f}" if value >= 1000 else f"{value:.2f}"
+
+
+def heatmap(table: pd.DataFrame, path: Path, title: str) -> None:
+    import numpy as np
+
+    plt = _pyplot()
+    sites = list(table.columns[2:])
+    values = table[sites].to_numpy(dtype=float)
+    labels = _row_labels(table)
+    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(sites), 1.2 + 0.45 * len(labels)), layout="constrained")
+    # Colour by log perplexity: one model can be 100x worse on a foreign site, which would flatten
+    # every other difference on a linear scale.
+    shown = np.ma.masked_invalid(np.log(values))
+    image = ax.imshow(shown, cmap="viridis_r", aspect="auto")
+    for i in range(values.shape[0]):
+        for j in range(values.shape[1]):
+            if np.isfinite(values[i, j]):
+                dark = shown[i, j] > (np.nanmin(np.log(values)) + np.nanmax(np.log(values))) / 2
+                ax.text(
+                    j, i, f"{values[i, j]:.2f}", ha="center", va="center", color="white" if dark else "black"
+                )
+    ax.set_xticks(range(len(sites)), [f"{s} test" for s in sites])
+    ax.set_yticks(range(len(labels)), labels)
+    ax.set_title(title)
+    fig.colorbar(image, ax=ax, label="log perplexity (lower is better)")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def rounds_figure(table: pd.DataFrame, path: Path) -> None:
+    plt = _pyplot()
+    sites = list(table.columns[2:])
+    fig, ax = plt.subplots(figsize=(6, 4), layout="constrained")
+    base = table[table["model"] == BASE]
+    merged = table[table["model"] == AGGREGATE].sort_values("round")
+    for k, site in enumerate(sites):
+        color = f"C{k}"
+        points = [(0, base[site].iloc[0])] if len(base) and pd.notna(base[site].iloc[0]) else []
+        points += [(r, v) for r, v in zip(merged["round"], merged[site], strict=True) if pd.notna(v)]
+        if points:
+            xs, ys = zip(*points, strict=True)
+            ax.plot(xs, ys, marker="o", color=color, label=f"{site} test")
+    ax.set_xticks(sorted({0, *merged["round"]}))
+    ax.set_xlabel("round (0 = base model)")
+    ax.set_ylabel("perplexity of the aggregate")
+    ax.set_yscale("log")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def loss_figure(entries: Sequence[tuple[int, str, Path]], path: Path) -> None:
+    """Every site's loss on one axis; round r continues after round r-1's last step."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
+    curves: dict[str, list[tuple[int, pd.DataFrame]]] = {}
+    for rnd, site, csv in entries:
+        if not Path(csv).is_file():
+            _warn(f"{csv}: loss file not found; site {site} round {rnd} left out")
+            continue
+        frame = pd.read_csv(csv)
+        if not {"step", "loss"} <= set(frame.columns):
+            raise ReportError(f"{csv}: needs the columns step and loss; has {list(frame.columns)}")
+        curves.setdefault(site, []).append((rnd, frame))
+    boundaries: set[int] = set()
+    for k, (site, runs) in enumerate(curves.items()):
+        offset = 0
+        for n, (_, frame) in enumerate(sorted(runs, key=lambda x: x[0])):
+            ax.plot(
+                frame["step"] + offset, frame["loss"], color=f"C{k}", label=site if n == 0 else None, lw=1.2
+            )
+            offset += int(frame["step"].max()) if len(frame) else 0
+            boundaries.add(offset)
+    if len({rnd for rnd, _, _ in entries}) > 1:
+        for x in sorted(boundaries)[:-1]:
+            ax.axvline(x, color="grey", ls=":", lw=0.8)
+    ax.set_xlabel("optimizer step (rounds one after the other)")
+    ax.set_ylabel("training loss")
+    ax.grid(alpha=0.3)
+    if curves:
+        ax.legend(title="site")
+    else:
+        ax.text(0.5, 0.5, "no loss curves", ha="center", va="center", transform=ax.transAxes)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def report(
+    out_dir: str | Path,
+    evals: Sequence[str | Path],
+    training: Sequence[tuple[int, str, Path]] = (),
+    losses: Sequence[tuple[int, str, Path]] = (),
+) -> dict[str, Path]:
+    from fedtune.atomic import write_text
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = load_evals(evals)
+    if not results:
+        raise ReportError("no evaluation results (--eval)")
+    perplexity = eval_table(results, "perplexity")
+    bpb = eval_table([r for r in results if r.get("bits_per_byte") is not None], "bits_per_byte")
+    sites = list(perplexity.columns[2:])
+    train = training_table(training)
+
+    paths = {
+        "perplexity_csv": out_dir / "perplexity.csv",
+        "perplexity_md": out_dir / "perplexity.md",
+        "bits_per_byte_csv": out_dir / "bits_per_byte.csv",
+        "perplexity_png": out_dir / "perplexity.png",
+        "rounds_png": out_dir / "rounds.png",
+        "training_csv": out_dir / "training.csv",
+        "training_md": out_dir / "training.md",
+        "loss_png": out_dir / "loss.png",
+    }
+    write_text(paths["perplexity_csv"], perplexity.to_csv(index=False))
+    write_text(paths["bits_per_byte_csv"], bpb.to_csv(index=False))
+    write_text(
+        paths["perplexity_md"],
+        "Perplexity of each model (rows) on each site's test split (columns); the lowest per column in bold. "
+        "Round 0 is the base model.\n\n" + markdown(perplexity, bold_min=sites),
+    )
+    write_text(paths["training_csv"], train.to_csv(index=False))
+    write_text(
+        paths["training_md"], markdown(train, digits={"wall_time_s": 1, "tokens_per_s": 0, "final_loss": 4})
+    )
+    heatmap(perplexity, paths["perplexity_png"], "Perplexity on each site's test split")
+    rounds_figure(perplexity, paths["rounds_png"])
+    loss_figure(losses, paths["loss_png"])
+    return paths
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    offline.enforce()
+    parser = argparse.ArgumentParser(
+        prog="python -m fedtune.report",
+        description="Tables and figures of a run: perplexity per model and site, training summary, loss.",
+    )
+    parser.add_argument("--out", required=True, help="report folder")
+    parser.add_argument(
+        "--eval", nargs="+", action="extend", required=True, metavar="JSON", help="evaluate results"
+    )
+    parser.add_argument(
+        "--training",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="ROUND:SITE=JSON",
+        help="training.json of each site model",
+    )
+    parser.add_argument(
+        "--loss",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="ROUND:SITE=CSV",
+        help="loss.csv of each site model",
+    )
+    args = parser.parse_args(argv)
+    try:
+        training = [parse_labelled(item, "--training") for item in args.training]
+        losses = [parse_labelled(item, "--loss") for item in args.loss]
+        paths = report(args.out, args.eval, training, losses)
+    except ReportError as e:
+        print(f"report: error: {e}", file=sys.stderr)
+        return 2
+    print(Path(paths["perplexity_md"]).read_text(encoding="utf-8"), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,21 @@
+# Karolina (IT4I). Sourced by `scripts/launch --cluster karolina` in every training task.
+# Each setting keeps a value already exported (e.g. in ~/.bashrc or before running Snakemake).
+
+# Modules to load, space separated; empty with a venv or container that brings its own CUDA/NCCL
+# (the PyTorch wheels do). Example: export FEDTUNE_MODULES="Python/3.11.3-GCCcore-12.3.0 CUDA/12.1.1"
+if [[ -n ${FEDTUNE_MODULES:-} ]] && type module >/dev/null 2>&1; then module load $FEDTUNE_MODULES; fi
+
+# Project scratch: /scratch/project/<project id, lower case>; the id is the Slurm account.
+_fedtune_project=${FEDTUNE_ACCOUNT:-${SLURM_JOB_ACCOUNT:-}}
+export FEDTUNE_SCRATCH=${FEDTUNE_SCRATCH:-/scratch/project/${_fedtune_project,,}/fedtune}
+unset _fedtune_project
+export HF_HOME=${HF_HOME:-$FEDTUNE_SCRATCH/hf-home}
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$FEDTUNE_SCRATCH/torch-extensions}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$FEDTUNE_SCRATCH/triton}
+
+# NCCL over InfiniBand (8x A100 per node, NVLink inside the node).
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-^lo,docker0}
+export NCCL_IB_TIMEOUT=${NCCL_IB_TIMEOUT:-22}
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-16}  # 128 cores / 8 GPUs

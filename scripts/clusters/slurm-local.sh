@@ -1,0 +1,7 @@
+# The local test cluster (scripts/slurm-local): nodes n1 and n2 are the same machine, no GPU.
+# Sourced by `scripts/launch --cluster slurm-local` in every training task.
+
+# Both "nodes" are this host: gloo talks over the loopback interface.
+export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-false}

@@ -1,0 +1,46 @@
+"""The software environments for the clusters (envs/) install exactly pyproject's pins."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def conda_env() -> dict:
+    return yaml.safe_load((ROOT / "envs" / "fedtune.yaml").read_text())
+
+
+def test_conda_env_pins_equal_pyproject_pins():
+    pins = pyproject()["dependencies"]
+    (pip_section,) = [item for item in conda_env()["dependencies"] if isinstance(item, dict)]
+    assert sorted(pip_section["pip"]) == sorted(pins)
+    assert len(set(pip_section["pip"])) == len(pip_section["pip"])
+    assert all(re.fullmatch(r"[A-Za-z0-9_.-]+==[0-9][A-Za-z0-9.]*", pin) for pin in pins), pins
+
+
+def test_conda_env_python_matches_requires_python():
+    conda_packages = [item for item in conda_env()["dependencies"] if isinstance(item, str)]
+    assert "pip" in conda_packages
+    (python,) = [item for item in conda_packages if item.startswith("python")]
+    assert python == "python=3.11"
+    assert pyproject()["requires-python"] == ">=3.11,<3.12"
+
+
+def test_apptainer_definition_installs_pyprojects_pins_on_an_nvidia_pytorch_image():
+    definition = (ROOT / "envs" / "fedtune.def").read_text()
+    assert re.search(r"^Bootstrap: docker$", definition, re.M)
+    assert re.search(r"^From: nvcr\.io/nvidia/pytorch:\d\d\.\d\d-py3$", definition, re.M)
+    # The pins come from the copied pyproject.toml, never from a second list that could drift.
+    assert re.search(r"^\s+pyproject\.toml /opt/fedtune/src/pyproject\.toml$", definition, re.M)
+    assert 'pip" install --quiet /opt/fedtune/src' in definition
+    assert not re.findall(r"[A-Za-z0-9_-]+==\d", definition)
+    assert "uv venv --python 3.11" in definition and "uv python install 3.11" in definition

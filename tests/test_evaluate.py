@@ -1,0 +1,185 @@
+"""Perplexity against hand-written loops (disjoint blocks and sliding windows), the token stream, and
+bits per byte."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+
+import pytest
+import torch
+
+from fedtune.evaluate import EvaluateError, Window, build_stream, evaluate, score, windows
+
+TEMPLATE = "Scrivi: {text}"
+
+
+def corpus(n: int) -> list[str]:
+    rng = random.Random(1)
+    words = "the a cat dog sat ran on over mat log quick slow red blue green big small and then".split()
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(5, 60))) + "." for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def raw_data(tmp_path_factory):
+    from datasets import Dataset, DatasetDict
+
+    texts = corpus(60)
+    # Non-ASCII text: bytes and characters differ, which bits per byte must count right.
+    test = [t.replace("cat", "gattò") for t in texts[:12]]
+    out = tmp_path_factory.mktemp("raw") / "raw"
+    DatasetDict(
+        {"train": Dataset.from_dict({"text": texts}), "test": Dataset.from_dict({"text": test})}
+    ).save_to_disk(out)
+    return out, test
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(tiny_model_dir):
+    from fedtune.models import load_causal_lm, load_tokenizer
+
+    return load_causal_lm(tiny_model_dir).eval(), load_tokenizer(tiny_model_dir)
+
+
+def test_windows_disjoint_and_sliding():
+    assert windows(10, 4) == [Window(0, 4, 4), Window(4, 8, 4), Window(8, 10, 2)]
+    assert windows(10, 4, 4) == windows(10, 4, None)
+    assert windows(10, 4, 2) == [Window(0, 4, 4), Window(2, 6, 2), Window(4, 8, 2), Window(6, 10, 2)]
+    assert windows(3, 8, 2) == [Window(0, 3, 3)]
+    with pytest.raises(EvaluateError, match="--stride"):
+        windows(10, 4, 5)
+
+
+def test_stream_puts_bos_and_eos_around_each_templated_document(model_and_tokenizer):
+    _, tokenizer = model_and_tokenizer
+    texts = ["the cat sat.", "a dog ran."]
+    stream = build_stream(texts, tokenizer, TEMPLATE)
+    expected = []
+    for text in texts:
+        ids = tokenizer(TEMPLATE.format(text=text), add_special_tokens=False)["input_ids"]
+        expected += [tokenizer.bos_token_id, *ids, tokenizer.eos_token_id]
+    assert stream.ids == expected
+    assert stream.documents == 2
+    assert stream.bytes == sum(len(TEMPLATE.format(text=t).encode()) for t in texts)
+    assert build_stream(texts, tokenizer, TEMPLATE, add_bos=False).ids == [
+        i for i in expected if i != tokenizer.bos_token_id
+    ]
+
+
+def hand_disjoint(model, ids, block):
+    """Independent of evaluate: every block on its own, log-softmax picked at the next token."""
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(ids), block):
+            chunk = torch.tensor([ids[start : start + block]])
+            if chunk.shape[1] < 2:
+                continue
+            logp = torch.log_softmax(model(chunk).logits[0, :-1].double(), dim=-1)
+            nll -= logp.gather(1, chunk[0, 1:, None]).sum().item()
+            count += chunk.shape[1] - 1
+    return nll, count
+
+
+def hand_sliding(model, ids, max_length, stride):
+    """The HF perplexity guide's loop, one window at a time, with the model's own loss; the token
+    count is the labels that survive the shift."""
+    nll, count, prev_end = 0.0, 0, 0
+    with torch.no_grad():
+        for begin in range(0, len(ids), stride):
+            end = min(begin + max_length, len(ids))
+            trg_len = end - prev_end
+            input_ids = torch.tensor([ids[begin:end]])
+            target_ids = input_ids.clone()
+            target_ids[:, :-trg_len] = -100
+            n = int((target_ids[:, 1:] != -100).sum())
+            nll += model(input_ids, labels=target_ids).loss.item() * n
+            count += n
+            prev_end = end
+            if end == len(ids):
+                break
+    return nll, count
+
+
+@pytest.mark.parametrize(("max_length", "stride"), [(32, None), (32, 32), (32, 8), (40, 13)])
+def test_perplexity_matches_hand_loops(tiny_model_dir, model_and_tokenizer, raw_data, max_length, stride):
+    model, tokenizer = model_and_tokenizer
+    data, texts = raw_data
+    ids = build_stream(texts, tokenizer, TEMPLATE).ids
+    if stride in (None, max_length):
+        nll, count = hand_disjoint(model, ids, max_length)
+        assert count == len(ids) - math.ceil(len(ids) / max_length)
+    else:
+        nll, count = hand_sliding(model, ids, max_length, stride)
+        # Sliding windows score every token but the first exactly once.
+        assert count == len(ids) - 1
+    # A batch size that does not divide the window count: the last batch holds a padded short window.
+    result = evaluate(
+        tiny_model_dir, data, template=TEMPLATE, max_length=max_length, stride=stride, batch_size=3
+    )
+    assert result["tokens"] == count
+    assert result["stream_tokens"] == len(ids)
+    assert result["windows"] == len(windows(len(ids), max_length, stride))
+    assert result["nll_sum"] == pytest.approx(nll, rel=1e-5)
+    assert result["perplexity"] == pytest.approx(math.exp(nll / count), rel=1e-5)
+    assert result["nll"] == pytest.approx(nll / count, rel=1e-5)
+
+
+def test_bits_per_byte(tiny_model_dir, raw_data):
+    data, texts = raw_data
+    result = evaluate(tiny_model_dir, data, template=TEMPLATE, max_length=64, stride=32, max_documents=5)
+    n_bytes = sum(len(TEMPLATE.format(text=t).encode("utf-8")) for t in texts[:5])
+    assert result["documents"] == 5 and result["bytes"] == n_bytes
+    assert n_bytes > sum(len(TEMPLATE.format(text=t)) for t in texts[:5])  # the ò counts twice
+    assert result["bits_per_byte"] == pytest.approx(result["nll_sum"] / math.log(2) / n_bytes)
+    # The same total NLL spread over tokens: log2(ppl) * tokens == bits per byte * bytes.
+    assert math.log2(result["perplexity"]) * result["tokens"] == pytest.approx(
+        result["bits_per_byte"] * n_bytes
+    )
+
+
+def test_option_and_data_errors(tiny_model_dir, raw_data):
+    data, _ = raw_data
+    with pytest.raises(EvaluateError, match="--split"):
+        evaluate(tiny_model_dir, data, split="validation")
+    with pytest.raises(EvaluateError, match="--text-field"):
+        evaluate(tiny_model_dir, data, text_field="body")
+    with pytest.raises(EvaluateError, match="max_position_embeddings"):
+        evaluate(tiny_model_dir, data, max_length=512)
+    with pytest.raises(EvaluateError, match="--template"):
+        evaluate(tiny_model_dir, data, template="{text} {other}")
+
+
+def test_cli_writes_result(tiny_model_dir, raw_data, tmp_path, monkeypatch):
+    from fedtune.evaluate import main
+    from fedtune.offline import OFFLINE_VARIABLES
+
+    for name in OFFLINE_VARIABLES:  # main() sets them; monkeypatch restores them afterwards
+        monkeypatch.setenv(name, "0")
+    data, _ = raw_data
+    out = tmp_path / "eval" / "alpha.json"
+    argv = ["--model", str(tiny_model_dir), "--data", str(data), "--template", TEMPLATE, "--max-length", "32"]
+    argv += ["--stride", "none", "--site", "alpha", "--label", "aggregate", "--round", "2", "--out", str(out)]
+    assert main(argv) == 0
+    assert all(os.environ[name] == "1" for name in OFFLINE_VARIABLES)
+    result = json.loads(out.read_text())
+    assert (result["site"], result["model"], result["round"]) == ("alpha", "aggregate", 2)
+    assert result["stride"] == 32 and result["max_length"] == 32
+    assert result["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
+    for key in ("perplexity", "nll", "bits_per_byte", "tokens", "bytes", "windows"):
+        assert result[key] > 0, key
+    assert main([*argv[:-1], str(tmp_path / "bad.json"), "--split", "nope"]) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_scores_like_cpu(model_and_tokenizer):
+    import copy
+
+    model, tokenizer = model_and_tokenizer
+    ids = build_stream(corpus(40), tokenizer, TEMPLATE).ids
+    cpu = score(model, ids, 32, 8, batch_size=5, device="cpu")
+    gpu = score(copy.deepcopy(model).to("cuda"), ids, 32, 8, batch_size=5, device="cuda")
+    assert gpu[1:] == cpu[1:]
+    assert gpu[0] == pytest.approx(cpu[0], rel=1e-4)

@@ -1,0 +1,287 @@
+"""The cluster profiles: each dry-runs the demo (and every example config that names its cluster), and the
+sbatch options the slurm executor would submit for each job carry the cluster's partition, GPUs, nodes
+and time-limit signal. The options come from the executor plugin's own builder (get_submit_command), fed
+with the resources Snakemake resolved in the dry run, so profile, rules and plugin are tested together.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+import yte
+from snakemake_executor_plugin_slurm.submit_string import get_submit_command
+from snakemake_executor_plugin_slurm.utils import set_gres_string
+from snakemake_executor_plugin_slurm.validation import validate_slurm_extra
+
+from .workflow_harness import ROOT, demo_config, snakemake, write_config
+
+CLUSTERS = {
+    # cluster: CPU partition (tokenize), GPU partition (train, evaluate), GPUs and cores per node, the
+    # launcher the test trains with, options every GPU job carries
+    "leonardo": ("lrd_all_serial", "boost_usr_prod", 4, 32, "torchrun", ["--qos=normal"]),
+    "karolina": ("qcpu", "qgpu", 8, 128, "torchrun", []),
+    "iris": ("batch", "gpu", 4, 28, "srun", ["--qos=normal", "-C volta32"]),
+    "meluxina": ("cpu", "gpu", 4, 64, "srun", ["--qos=default"]),
+}
+ACCOUNT_VARIABLES = ["FEDTUNE_ACCOUNT"] + [f"FEDTUNE_{name.upper()}_ACCOUNT" for name in CLUSTERS]
+
+
+def local_rules() -> set[str]:
+    """Rules marked `localrule: True` in the rule files, and `all`: they never reach sbatch (the
+    slurm-local demo test checks that against sacct), though a dry run lists them like the others."""
+    names, rule = {"all"}, None
+    for path in (ROOT / "workflow" / "rules").glob("*.smk"):
+        for line in path.read_text().splitlines():
+            if match := re.match(r"^\s*rule (\w+):", line):
+                rule = match.group(1)
+            elif rule and re.match(r"^\s+localrule: True", line):
+                names.add(rule)
+    return names
+
+
+class JobResources(dict):
+    """The resources of a job as the plugin reads them: .get() and attribute access."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+class PlannedJob:
+    def __init__(self, rule: str, resources: dict, threads: int = 1, wildcards: dict | None = None):
+        self.name = rule
+        self.resources = JobResources(resources)
+        self.threads = threads
+        self.wildcards = wildcards or {}
+
+
+def sbatch_options(job: PlannedJob) -> str:
+    """The sbatch command line the slurm executor would run for job (without --wrap)."""
+    validate_slurm_extra(job)
+    resources = job.resources
+    params = {
+        "run_uuid": "RUN",
+        "slurm_logfile": "LOG",
+        "comment_str": f"rule_{job.name}",
+        "account": f" -A {shlex.quote(str(resources['slurm_account']))}"
+        if "slurm_account" in resources
+        else "",
+        "partition": f" -p {shlex.quote(str(resources['slurm_partition']))}"
+        if "slurm_partition" in resources
+        else "",
+        "workdir": "WORKDIR",
+    }
+    return get_submit_command(job, params) + set_gres_string(job)
+
+
+def parse_value(value: str):
+    return int(value) if re.fullmatch(r"\d+", value) else value
+
+
+def planned_jobs(output: str) -> list[PlannedJob]:
+    """The jobs of a dry run: rule name, resolved resources, threads and wildcards."""
+    jobs, rule, threads, wildcards = [], None, 1, {}
+    for line in output.splitlines():
+        if match := re.match(r"^(?:local)?rule (\w+):$", line):
+            rule, threads, wildcards = match.group(1), 1, {}
+        elif rule and (match := re.match(r"^\s+threads: (\d+)$", line)):
+            threads = int(match.group(1))
+        elif rule and (match := re.match(r"^\s+wildcards: (.*)$", line)):
+            wildcards = dict(item.split("=", 1) for item in match.group(1).split(", "))
+        elif rule and (match := re.match(r"^\s+resources: (.*)$", line)):
+            pairs = (item.split("=", 1) for item in match.group(1).split(", "))
+            jobs.append(
+                PlannedJob(rule, {key: parse_value(value) for key, value in pairs}, threads, wildcards)
+            )
+            rule = None
+    return jobs
+
+
+def profile_settings(profile: str) -> dict:
+    """The profile file as Snakemake reads it (a yte template)."""
+    with open(ROOT / "profiles" / profile / "config.yaml") as stream:
+        return yte.process_yaml(stream, require_use_yte=True)
+
+
+@pytest.fixture
+def account(monkeypatch):
+    for variable in ACCOUNT_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("FEDTUNE_ACCOUNT", "proj123")
+    return "proj123"
+
+
+@pytest.fixture(scope="module")
+def demo_workdir(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("profiles")
+    write_config(workdir, demo_config())
+    return workdir
+
+
+def cluster_demo(workdir: Path, cluster: str, train: dict) -> None:
+    """The demo with its sites on cluster and the given train settings."""
+    config = demo_config()
+    for site in config["sites"].values():
+        site["cluster"] = cluster
+    config["train"].update(train)
+    write_config(workdir, config)
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS)
+def test_profile_dry_runs_the_demo_with_the_clusters_sbatch_options(cluster, account, tmp_path):
+    """The demo's sites on this cluster, trained on 2 whole GPU nodes: tokenize on the CPU partition,
+    train on the GPU partition with every GPU of both nodes, its tasks (one per node with torchrun,
+    one per GPU with srun) and SIGUSR1 5 minutes before the time limit."""
+    cpu_partition, gpu_partition, gpus, cores, launcher, gpu_extra = CLUSTERS[cluster]
+    train = {
+        "nodes": 2,
+        "gpus_per_node": gpus,
+        "processes_per_node": gpus,
+        "cpus_per_process": cores // gpus,
+        "launcher": launcher,
+        "mem_mb": 200000,
+        "runtime": 720,
+        "global_batch": 8 * 2 * gpus,
+    }
+    cluster_demo(tmp_path, cluster, train)
+    result = snakemake(tmp_path, "-n", "--forceall", "results/demo/round-1/alpha/model", profile=cluster)
+    jobs = [job for job in planned_jobs(result.stdout) if job.name not in local_rules()]
+    assert {"tokenize", "train"} <= {job.name for job in jobs}, result.stdout[-3000:]
+    for job in jobs:
+        options = sbatch_options(job)
+        assert f"-A {account}" in options, options
+        assert re.search(r" -t \d+", options) and "--mem " in options, options
+        if job.name == "tokenize":
+            assert f"-p {cpu_partition}" in options and "gpu" not in options, options
+        else:
+            assert f"-p {gpu_partition}" in options and all(extra in options for extra in gpu_extra), options
+        if job.name == "train":
+            tasks = 2 if launcher == "torchrun" else 2 * gpus
+            cpus = cores if launcher == "torchrun" else cores // gpus
+            for expected in [
+                "--nodes=2",
+                f"--ntasks={tasks}",
+                f"--gres=gpu:{gpus}",
+                f"--cpus-per-task={cpus}",
+                "--signal=USR1@300",
+                "--mem 200000",
+                "-t 720",
+            ]:
+                assert expected in options, (expected, options)
+            assert ("--ntasks-per-gpu=1" in options) == (launcher == "srun"), options
+        if job.name.startswith("evaluate"):
+            assert "--gres=gpu:1" in options, options
+
+
+def test_slurm_local_profile_trains_one_site_on_both_nodes(tmp_path):
+    train = {"nodes": 2, "processes_per_node": 1, "launcher": "srun", "mem_mb": 2000, "runtime": 20}
+    cluster_demo(tmp_path, "slurm-local", train)
+    result = snakemake(
+        tmp_path, "-n", "--forceall", "results/demo/round-1/alpha/model", profile="slurm-local"
+    )
+    jobs = {
+        job.name: sbatch_options(job) for job in planned_jobs(result.stdout) if job.name not in local_rules()
+    }
+    assert "-A fedtune" in jobs["tokenize"] and "-p debug" in jobs["tokenize"], jobs
+    assert "--cpus-per-task=1" in jobs["tokenize"], jobs
+    for expected in ["-p debug", "--nodes=2", "--ntasks=2", "--cpus-per-task=1", "--signal=USR1@60", "-t 20"]:
+        assert expected in jobs["train"], (expected, jobs["train"])
+    assert "gres" not in jobs["train"] and "gpu" not in jobs["train"], jobs["train"]
+
+
+def test_unset_account_variable_fails_with_a_clear_message(monkeypatch, demo_workdir):
+    for variable in ACCOUNT_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    result = snakemake(demo_workdir, "-n", profile="leonardo", check=False, timeout=120)
+    assert result.returncode != 0
+    message = result.stderr.strip().splitlines()[-1]
+    assert "no Slurm account for leonardo: set FEDTUNE_ACCOUNT (or FEDTUNE_LEONARDO_ACCOUNT)" in message, (
+        message
+    )
+    for cluster in CLUSTERS:  # the same check in every profile, read as Snakemake reads it
+        with pytest.raises(Exception, match=f"no Slurm account for {cluster}: set FEDTUNE_ACCOUNT"):
+            profile_settings(cluster)
+
+
+def test_a_clusters_own_account_variable_wins(monkeypatch):
+    monkeypatch.setenv("FEDTUNE_ACCOUNT", "generic")
+    monkeypatch.setenv("FEDTUNE_KAROLINA_ACCOUNT", "OPEN-29-12")
+    assert profile_settings("karolina")["default-resources"]["slurm_account"] == "OPEN-29-12"
+    assert profile_settings("leonardo")["default-resources"]["slurm_account"] == "generic"
+
+
+def example_configs(cluster: str) -> list[Path]:
+    """The example configs (config/examples/) with at least one site on this cluster."""
+    examples = []
+    for path in sorted((ROOT / "config" / "examples").glob("*.yaml")):
+        sites = (yaml.safe_load(path.read_text()) or {}).get("sites", {})
+        if any(site.get("cluster") == cluster for site in sites.values()):
+            examples.append(path)
+    return examples
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS)
+def test_profile_dry_runs_every_example_config_for_its_cluster(cluster, account, tmp_path):
+    """Each example config that puts a site on this cluster: the dry run to that site's first-round model
+    plans its train job on the GPU partition, with the nodes and GPUs its config asks for."""
+    _, gpu_partition, _, _, _, gpu_extra = CLUSTERS[cluster]
+    for example in example_configs(cluster):
+        workdir = tmp_path / example.stem
+        workdir.mkdir()
+        (workdir / "config.yaml").write_text(example.read_text())
+        config = yaml.safe_load(example.read_text())
+        here = [name for name, site in config["sites"].items() if site.get("cluster") == cluster]
+        run_dir = f"{config.get('results', 'results')}/{config['run']}"
+        targets = [f"{run_dir}/round-1/{site}/model" for site in here]
+        result = snakemake(workdir, "-n", *targets, profile=cluster, check=False, timeout=300)
+        assert result.returncode == 0, f"{example.name} with profile {cluster}:\n{result.stderr[-3000:]}"
+        jobs = [job for job in planned_jobs(result.stdout) if job.name not in local_rules()]
+        trained = set()
+        for job in jobs:
+            options = sbatch_options(job)  # raises on options the plugin refuses
+            if job.name != "train":
+                continue
+            site = job.wildcards["site"]
+            trained.add(site)
+            train = {**config.get("train", {}), **config["sites"][site].get("train", {})}
+            gpus = train.get("gpus_per_node", 0)
+            assert f"-p {gpu_partition}" in options and "--signal=USR1@300" in options, options
+            assert f"--nodes={train.get('nodes', 1)}" in options, options
+            assert (f"--gres=gpu:{gpus}" in options) if gpus else ("gres" not in options), options
+            assert all(extra in options for extra in gpu_extra), options
+        assert trained == set(here), (example.name, trained, here)
+
+
+def test_set_resources_name_rules_that_exist(account):
+    """Snakemake ignores set-resources of a rule that does not exist: a typo would go unnoticed."""
+    rules = {
+        match.group(1)
+        for path in (ROOT / "workflow" / "rules").glob("*.smk")
+        for match in re.finditer(r"^\s*rule (\w+):", path.read_text(), re.M)
+    }
+    for profile in [*CLUSTERS, "slurm-local"]:
+        unknown = set(profile_settings(profile).get("set-resources", {})) - rules
+        assert not unknown, f"profiles/{profile} sets resources of unknown rules {unknown}"
+
+
+@pytest.mark.parametrize("cluster", [*CLUSTERS, "slurm-local"])
+def test_cluster_environment_file_sources_cleanly(cluster, tmp_path):
+    script = ROOT / "scripts" / "clusters" / f"{cluster}.sh"
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "FEDTUNE_ACCOUNT": "p200001"}
+    result = subprocess.run(
+        ["bash", "-euc", f"source {shlex.quote(str(script))}; env"], env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    variables = dict(line.split("=", 1) for line in result.stdout.splitlines() if "=" in line)
+    assert (variables.get("FEDTUNE_NO_BF16") == "1") == (cluster == "iris"), variables
+    if cluster != "slurm-local":
+        assert variables["HF_HOME"].startswith(variables["FEDTUNE_SCRATCH"]), variables
+        assert "NCCL_DEBUG" in variables and "TORCH_EXTENSIONS_DIR" in variables, variables

@@ -1,0 +1,113 @@
+"""The report's tables have one row per (round, model) and one column per site, in a stable order, and
+every figure is written; training summaries tolerate missing optional keys."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from fedtune.report import ReportError, main, parse_labelled, report
+
+SITES = ["alpha", "beta"]
+
+
+def write_evals(folder, rounds=2):
+    """Results for base (no round), each site model and the aggregate of every round, on every site."""
+    paths = []
+    models = [(None, "base")] + [(r, m) for r in range(1, rounds + 1) for m in ["aggregate", *SITES]]
+    for rnd, model in models:
+        for j, site in enumerate(SITES):
+            ppl = 100.0 / (rnd or 0.5) + 10 * j + (0 if model == site else 5)
+            result = {
+                "model": model,
+                "round": rnd,
+                "site": site,
+                "perplexity": ppl,
+                "bits_per_byte": ppl / 100,
+            }
+            path = folder / f"{rnd}-{model}-{site}.json"
+            path.write_text(json.dumps(result))
+            paths.append(path)
+    return paths
+
+
+def write_site_runs(folder, rounds=2):
+    training, losses = [], []
+    for rnd in range(1, rounds + 1):
+        for site in SITES:
+            d = folder / f"round-{rnd}" / site
+            d.mkdir(parents=True)
+            summary = {"site": site, "steps": 10, "tokens_seen": 20480, "final_loss": 2.5, "wall_time_s": 4.0}
+            if site == "alpha":
+                summary.update(world_size=2, backend="fsdp", sharding="full")
+            (d / "training.json").write_text(json.dumps(summary))
+            pd.DataFrame({"step": range(1, 11), "loss": [5 - 0.1 * i for i in range(10)], "lr": 1e-3}).to_csv(
+                d / "loss.csv", index=False
+            )
+            training.append(f"{rnd}:{site}={d / 'training.json'}")
+            losses.append(f"{rnd}:{site}={d / 'loss.csv'}")
+    return training, losses
+
+
+def test_report_tables_and_figures(tmp_path, monkeypatch):
+    from fedtune.offline import OFFLINE_VARIABLES
+
+    for name in OFFLINE_VARIABLES:  # main() sets them; monkeypatch restores them afterwards
+        monkeypatch.setenv(name, "0")
+    evals = write_evals(tmp_path)
+    training, losses = write_site_runs(tmp_path)
+    out = tmp_path / "report"
+    assert (
+        main(["--out", str(out), "--eval", *map(str, evals), "--training", *training, "--loss", *losses]) == 0
+    )
+
+    table = pd.read_csv(out / "perplexity.csv")
+    assert list(table.columns) == ["round", "model", *SITES]
+    expected_rows = [(0, "base")] + [(r, m) for r in (1, 2) for m in [*SITES, "aggregate"]]
+    assert list(zip(table["round"], table["model"], strict=True)) == expected_rows
+    row = table[(table["round"] == 2) & (table["model"] == "alpha")].iloc[0]
+    assert row["alpha"] == pytest.approx(50.0) and row["beta"] == pytest.approx(65.0)
+    bpb = pd.read_csv(out / "bits_per_byte.csv")
+    assert bpb.shape == table.shape and bpb.loc[0, "alpha"] == pytest.approx(2.05)
+
+    md = (out / "perplexity.md").read_text().splitlines()
+    header = next(i for i, line in enumerate(md) if line.startswith("| round"))
+    assert md[header] == "| round | model | alpha | beta |"
+    assert len(md) - header - 2 == len(expected_rows)
+    assert "| 2 | alpha | **50.000** | 65.000 |" in md
+
+    train = pd.read_csv(out / "training.csv")
+    assert len(train) == 4 and list(train[["round", "site"]].itertuples(index=False, name=None))[:2] == [
+        (1, "alpha"),
+        (1, "beta"),
+    ]
+    assert train["tokens_per_s"].tolist() == [5120.0] * 4
+    assert train["backend"].isna().tolist() == [False, True, False, True]  # optional keys may be absent
+    assert "| 1 | beta | 10 | 20,480 | 4.0 | 5,120 | 2.5000 | – |" in (out / "training.md").read_text()
+
+    for figure in ("perplexity.png", "rounds.png", "loss.png"):
+        assert (out / figure).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", figure
+
+
+def test_missing_training_files_are_left_out(tmp_path, capsys):
+    evals = write_evals(tmp_path, rounds=1)
+    paths = report(
+        tmp_path / "out", evals, [(1, "alpha", tmp_path / "nope.json")], [(1, "alpha", tmp_path / "x.csv")]
+    )
+    assert pd.read_csv(paths["training_csv"]).empty
+    assert paths["loss_png"].is_file()
+    assert "nope.json" in capsys.readouterr().err
+
+
+def test_duplicate_results_are_refused(tmp_path):
+    evals = write_evals(tmp_path, rounds=1)
+    with pytest.raises(ReportError, match="two results for model beta"):
+        report(tmp_path / "out", [*evals, evals[-1]])
+
+
+def test_labelled_paths():
+    assert parse_labelled("3:beta=/x/y=z.json", "--loss")[:2] == (3, "beta")
+    with pytest.raises(ReportError, match="ROUND:SITE=PATH"):
+        parse_labelled("beta=/x.json", "--loss")
