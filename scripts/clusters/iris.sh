@@ -10,12 +10,6 @@ if [[ -n ${FEDTUNE_MODULES:-} ]] && type module >/dev/null 2>&1; then module loa
 export FEDTUNE_NO_BF16=1
 
 export FEDTUNE_SCRATCH=${FEDTUNE_SCRATCH:-${SCRATCH:-$HOME}/fedtune}
-export HF_HOME=${HF_HOME:-$FEDTUNE_SCRATCH/hf-home}
-export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$FEDTUNE_SCRATCH/torch-extensions}
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$FEDTUNE_SCRATCH/triton}
+source "${BASH_SOURCE[0]%/*}/_common.sh"
 
-# NCCL over InfiniBand (4x V100 per node, NVLink inside the node).
-export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
-export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-^lo,docker0}
-export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-7}  # 28 cores / 4 GPUs

@@ -9,13 +9,7 @@ if [[ -n ${FEDTUNE_MODULES:-} ]] && type module >/dev/null 2>&1; then module loa
 _fedtune_project=${FEDTUNE_ACCOUNT:-${SLURM_JOB_ACCOUNT:-}}
 export FEDTUNE_SCRATCH=${FEDTUNE_SCRATCH:-/project/scratch/$_fedtune_project/fedtune}
 unset _fedtune_project
-export HF_HOME=${HF_HOME:-$FEDTUNE_SCRATCH/hf-home}
-export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$FEDTUNE_SCRATCH/torch-extensions}
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$FEDTUNE_SCRATCH/triton}
+source "${BASH_SOURCE[0]%/*}/_common.sh"
 
-# NCCL over InfiniBand (4x A100 per node, NVLink inside the node).
-export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
-export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-^lo,docker0}
 export NCCL_IB_TIMEOUT=${NCCL_IB_TIMEOUT:-22}
-export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-16}  # 64 cores / 4 GPUs
