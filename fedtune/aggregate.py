@@ -30,6 +30,7 @@ import torch
 
 from fedtune import offline
 from fedtune.atomic import atomic_dir, write_json
+from fedtune.models import ModelError, record_checksums, verify_checksums
 
 METHODS = ("fedavg",)
 OUTPUT_DTYPES = ("float32", "bfloat16", "float16", "auto")
@@ -763,6 +764,11 @@ def aggregate(
                     "files": files,
                 }
             )
+        if checksums:
+            # Inputs were hashed while being read: compare with what training recorded, for free.
+            for entry, m in zip(inputs, site_models, strict=True):
+                verify_checksums(m.path, {name: f["sha256"] for name, f in entry["files"].items()})
+            record_checksums(tmp, {name: f["sha256"] for name, f in output["files"].items()})
         warnings = _identical_inputs(inputs, site_models) if checksums else []
         for warning in warnings:
             _log(f"warning: {warning}")
@@ -903,7 +909,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_shard_size=args.max_shard_size,
             checksums=not args.no_checksums,
         )
-    except AggregateError as e:
+    except (AggregateError, ModelError) as e:
         print(f"aggregate: error: {e}", file=sys.stderr)
         return 2
     return 0

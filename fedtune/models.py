@@ -5,6 +5,8 @@ explicitly allows pickle checkpoints, and never runs remote code unless the conf
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -13,6 +15,9 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
+
+# Written beside the weights by the stage that wrote them, checked by every stage that reads them.
+CHECKSUMS = "fedtune-checksums.json"
 
 
 class ModelError(ValueError):
@@ -65,10 +70,54 @@ def save_model(model, tokenizer, out_dir: str | Path, *, max_shard_size: str = "
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir, safe_serialization=True, max_shard_size=max_shard_size)
     tokenizer.save_pretrained(out_dir)
+    record_checksums(out_dir)
     # save_pretrained writes weights with mode 0600; the rest of the group (aggregation on a login node,
     # a colleague's evaluation) must be able to read them.
     for path in out_dir.iterdir():
         path.chmod(0o644)
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def record_checksums(model_dir: str | Path, digests: dict[str, str] | None = None) -> dict:
+    """Write the size and sha256 of each weight file; `digests` saves hashing files the writer
+    already hashed while writing them."""
+    model_dir = Path(model_dir)
+    digests = digests or {}
+    record = {
+        path.name: {"bytes": path.stat().st_size, "sha256": digests.get(path.name) or sha256_file(path)}
+        for path in weight_files(model_dir)
+    }
+    (model_dir / CHECKSUMS).write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+def verify_checksums(model_dir: str | Path, digests: dict[str, str] | None = None) -> None:
+    """Raise ModelError naming the first weight file whose size or sha256 differs from what its writer
+    recorded. `digests` are sha256 the reader computed anyway; others are computed here. A folder
+    without a record (a model from the hub) passes."""
+    model_dir = Path(model_dir)
+    record_path = model_dir / CHECKSUMS
+    if not record_path.is_file():
+        return
+    digests = digests or {}
+    for name, expected in json.loads(record_path.read_text()).items():
+        path = model_dir / name
+        if not path.is_file():
+            raise ModelError(f"{path}: missing (listed in {record_path})")
+        if path.stat().st_size != expected["bytes"]:
+            raise ModelError(
+                f"{path}: {path.stat().st_size} bytes, but {expected['bytes']} were written: truncated or "
+                "corrupted; rerun the job that wrote it"
+            )
+        if (digests.get(name) or sha256_file(path)) != expected["sha256"]:
+            raise ModelError(f"{path}: sha256 differs from the one recorded when it was written: corrupted")
 
 
 def weight_files(model_dir: str | Path) -> list[Path]:
@@ -108,6 +157,7 @@ def load_causal_lm(
 
     if Path(model_dir).exists():
         check_model_dir(model_dir, allow_pickle=allow_pickle)
+        verify_checksums(model_dir)
     kwargs = {"dtype": DTYPES[dtype]} if dtype else {}
     return AutoModelForCausalLM.from_pretrained(
         model_dir,
