@@ -5,12 +5,23 @@ from snakemake.utils import min_version
 min_version("9.0")
 
 
-configfile: "config/config.yaml"
+# The demo config, unless the user names one: Snakemake would otherwise merge the two.
+if not workflow.overwrite_configfiles:
+
+    configfile: "config/config.yaml"
+
+
+report: "workflow/report/workflow.rst"
 
 
 include: "workflow/rules/common.smk"
 include: "workflow/rules/download.smk"
 include: "workflow/rules/tokenize.smk"
+include: "workflow/rules/train.smk"
+include: "workflow/rules/transfer.smk"
+include: "workflow/rules/aggregate.smk"
+include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/report.smk"
 
 
 rule all:

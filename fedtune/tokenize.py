@@ -187,12 +187,18 @@ def tokenize_shard(
     }
     with atomic_dir(out) as tmp:
         blocks_dataset(blocks, labels, block_size).save_to_disk(str(tmp))
-        counts["files"] = {
-            p.name: {"bytes": p.stat().st_size, "sha256": sha256(p)} for p in sorted(tmp.glob("*.arrow"))
-        }
+        counts["files"] = arrow_files(tmp)
         write_json(tmp / COUNTS, counts)
     print(json.dumps({k: v for k, v in counts.items() if k != "files"}))
     return counts
+
+
+def arrow_files(shard_dir: Path) -> dict:
+    """Size and sha256 of each Arrow file of a shard, as counts.json records them."""
+    return {
+        p.name: {"bytes": p.stat().st_size, "sha256": sha256(p)}
+        for p in sorted(Path(shard_dir).glob("*.arrow"))
+    }
 
 
 def verify_shard(shard_dir: str | Path) -> dict:

@@ -133,6 +133,55 @@ def train_options(site):
     return _TRAIN_OPTIONS[site]
 
 
+# Train rule: Slurm resources and launcher arguments from the site's train options.
+LAUNCH = str(Path(workflow.basedir) / "scripts" / "launch")
+
+
+def train_slurm_tasks(site):
+    """Slurm tasks the launcher starts: one per node (torchrun) or one per process (srun)."""
+    options = train_options(site)
+    if options["launcher"] == "torchrun":
+        return options["nodes"]
+    if options["launcher"] == "srun":
+        return options["nodes"] * options["processes_per_node"]
+    return 1
+
+
+def train_launcher(site):
+    # A single task needs no srun step (the job already runs on its node): torchrun starts it directly.
+    options = train_options(site)
+    return options["launcher"] if train_slurm_tasks(site) > 1 else "local"
+
+
+def train_launch_args(site):
+    options = train_options(site)
+    return (
+        f"--cluster {config['sites'][site]['cluster']} --launcher {train_launcher(site)}"
+        f" --nodes {options['nodes']} --procs-per-node {options['processes_per_node']}"
+        f" --cpus-per-task {train_cpus_per_task(site)}"
+    )
+
+
+def train_cpus_per_task(site):
+    options = train_options(site)
+    per_task = 1 if options["launcher"] == "srun" else options["processes_per_node"]
+    return options["cpus_per_process"] * per_task
+
+
+def train_gres(site):
+    gpus = train_options(site)["gpus_per_node"]
+    return f"gpu:{gpus}" if gpus else None
+
+
+def train_tasks_per_gpu(site):
+    # The Slurm plugin otherwise reads `tasks` as tasks per GPU; torchrun's one task per node drives
+    # all of the node's GPUs (0 = do not set).
+    options = train_options(site)
+    if not options["gpus_per_node"]:
+        return None
+    return 1 if train_launcher(site) == "srun" else 0
+
+
 def remote_source(cluster, relative, target):
     """Where another cluster keeps `relative` (a path inside its run folder), for rsync. Without a
     remote for that cluster, the error says what to run where instead."""

@@ -1,0 +1,294 @@
+"""FSDP2 and DeepSpeed behind one small interface, so that the training loop in fedtune.train reads the
+same for both:
+
+    backend.forward_backward(input_ids, labels, weight, last)  one micro batch; returns its mean loss
+    backend.step(lr)                                           one optimizer step; returns the grad norm
+    backend.save(folder) / backend.load(folder)                sharded checkpoint (collective)
+    backend.full_state_dict()                                  gathered weights, on rank 0 (collective)
+    backend.forward(input_ids)                                 logits, for probes
+
+Every rank holds the same full model when a backend is built (loaded from the same folder); the
+backend shards it. Master weights and optimizer state stay in fp32 whatever the precision."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from fedtune.distributed import Job
+
+ADAM_EPS = 1e-8
+
+
+def decoder_layer_classes(model) -> set[str]:
+    # Transformers names the blocks it never splits across devices: exactly the per-layer wrapping unit.
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    if not names:
+        raise ValueError(f"{type(model).__name__} does not name its decoder layers (_no_split_modules)")
+    return names
+
+
+def _micro_loss(model, input_ids, labels, trained: int):
+    output = model(input_ids=input_ids, labels=labels, use_cache=False)
+    if trained == 0:
+        # A micro batch with no target token has a 0/0 loss; it still has to run backward so that
+        # the collectives of every rank line up.
+        return output.logits.sum() * 0.0
+    return output.loss
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16: the scale halves when the gradients overflow (the step is skipped)
+    and doubles after `growth_interval` good steps. Decided on the global gradient norm, so every rank
+    skips the same steps."""
+
+    def __init__(self, scale: float = 2.0**16, growth_interval: int = 1000):
+        self.scale = scale
+        self.growth_interval = growth_interval
+        self.good_steps = 0
+
+    def update(self, finite: bool) -> None:
+        if not finite:
+            self.scale = max(self.scale / 2, 1.0)
+            self.good_steps = 0
+            return
+        self.good_steps += 1
+        if self.good_steps % self.growth_interval == 0:
+            self.scale *= 2
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "good_steps": self.good_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self.good_steps = state["scale"], state["good_steps"]
+
+
+class FSDPBackend:
+    name = "fsdp"
+
+    def __init__(self, model, options: dict, job: Job, accumulation: int):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        self.job, self.accumulation = job, accumulation
+        self.grad_clip = options["grad_clip"]
+        sharding = options["sharding"]
+        if sharding == "full":
+            mesh = init_device_mesh(job.device.type, (job.world_size,), mesh_dim_names=("shard",))
+        else:
+            # HSDP: parameters sharded over the second dimension, replicated (all-reduced) over the first.
+            # `none` shards over groups of one: plain data parallelism through the same code path.
+            shape = (job.world_size, 1) if sharding == "none" else (job.nodes, job.local_world_size)
+            mesh = init_device_mesh(job.device.type, shape, mesh_dim_names=("replicate", "shard"))
+        low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(options["precision"])
+        policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else None
+        reshard = sharding in ("full", "hybrid")
+        layer_classes = decoder_layer_classes(model)
+        kwargs = {"mesh": mesh, "reshard_after_forward": reshard}
+        if policy is not None:
+            kwargs["mp_policy"] = policy
+        for module in model.modules():
+            if type(module).__name__ in layer_classes:
+                fully_shard(module, **kwargs)
+        fully_shard(model, **kwargs)
+        self.model = model
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=options["lr"],
+            betas=tuple(options["betas"]),
+            weight_decay=options["weight_decay"],
+            eps=ADAM_EPS,
+        )
+        self.scaler = LossScaler() if options["precision"] == "fp16" else None
+
+    def forward_backward(self, input_ids, labels, weight: float, last: bool) -> torch.Tensor:
+        # Gradients are reduced across ranks only once per optimizer step, after the last micro batch.
+        self.model.set_requires_gradient_sync(last)
+        trained = int((labels[:, 1:] != -100).sum())
+        input_ids, labels = input_ids.to(self.job.device), labels.to(self.job.device)
+        loss = _micro_loss(self.model, input_ids, labels, trained)
+        scale = weight / self.accumulation * (self.scaler.scale if self.scaler else 1.0)
+        (loss * scale).backward()
+        return loss.detach().float()
+
+    def step(self, lr: float) -> float:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.scaler:
+            for p in params:
+                p.grad.div_(self.scaler.scale)
+        max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        finite = math.isfinite(norm)
+        if self.scaler:
+            self.scaler.update(finite)
+        if finite or not self.scaler:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def save(self, folder: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder / "fsdp"))
+
+    def load(self, folder: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=str(folder / "fsdp"))
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+
+    def extra_state(self) -> dict:
+        return {"loss_scaler": self.scaler.state_dict()} if self.scaler else {}
+
+    def load_extra_state(self, state: dict) -> None:
+        if self.scaler and "loss_scaler" in state:
+            self.scaler.load_state_dict(state["loss_scaler"])
+
+    def full_state_dict(self) -> dict | None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(self.model, options=options)
+        return state if self.job.is_main else None
+
+    @torch.no_grad()
+    def forward(self, input_ids) -> torch.Tensor:
+        self.model.eval()
+        logits = self.model(input_ids=input_ids.to(self.job.device), use_cache=False).logits
+        self.model.train()
+        return logits.float().cpu()
+
+
+def deepspeed_config(options: dict, accumulation: int, device: torch.device) -> dict:
+    """The DeepSpeed JSON generated from the train options, with deepspeed_extra merged over it."""
+    from fedtune.config import deep_merge
+
+    zero = {"stage": options["zero_stage"]}
+    pin = device.type == "cuda"
+    if options["offload_optimizer"]:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
+    if options["offload_params"]:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
+    config = {
+        "train_batch_size": options["global_batch"],
+        "train_micro_batch_size_per_gpu": options["micro_batch"],
+        "gradient_accumulation_steps": accumulation,
+        "gradient_clipping": options["grad_clip"],
+        "zero_optimization": zero,
+        # fedtune prints its own progress; DeepSpeed's per-step lines would drown it.
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if options["precision"] == "bf16":
+        config["bf16"] = {"enabled": True}
+    elif options["precision"] == "fp16":
+        config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
+    if options["offload_optimizer"]:
+        # Offloaded optimizer states need DeepSpeed's CPU Adam, which it builds from this block.
+        config["optimizer"] = {
+            "type": "AdamW",
+            "params": {
+                "lr": options["lr"],
+                "betas": list(options["betas"]),
+                "eps": ADAM_EPS,
+                "weight_decay": options["weight_decay"],
+            },
+        }
+    return deep_merge(config, options["deepspeed_extra"])
+
+
+class DeepSpeedBackend:
+    name = "deepspeed"
+    TAG = "deepspeed"
+
+    def __init__(self, model, options: dict, job: Job, accumulation: int):
+        import deepspeed
+
+        self.job = job
+        self.config = deepspeed_config(options, accumulation, job.device)
+        optimizer = None
+        if "optimizer" not in self.config:
+            # torch's AdamW, the optimizer of the FSDP backend: both backends then compute the same steps.
+            optimizer = torch.optim.AdamW(
+                model.parameters(),
+                lr=options["lr"],
+                betas=tuple(options["betas"]),
+                weight_decay=options["weight_decay"],
+                eps=ADAM_EPS,
+            )
+        self.engine, *_ = deepspeed.initialize(
+            model=model, optimizer=optimizer, model_parameters=model.parameters(), config=self.config
+        )
+
+    def forward_backward(self, input_ids, labels, weight: float, last: bool) -> torch.Tensor:
+        trained = int((labels[:, 1:] != -100).sum())
+        input_ids, labels = input_ids.to(self.job.device), labels.to(self.job.device)
+        loss = _micro_loss(self.engine, input_ids, labels, trained)
+        # The engine divides by the accumulation steps and applies the fp16 loss scale itself.
+        self.engine.backward(loss * weight)
+        if not last:
+            # DeepSpeed counts micro steps in step(); off the accumulation boundary it only counts.
+            self.engine.step()
+        return loss.detach().float()
+
+    def step(self, lr: float) -> float:
+        for group in self.engine.basic_optimizer.param_groups:
+            group["lr"] = lr
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        if norm is None:
+            return math.nan
+        return float(norm)
+
+    def save(self, folder: Path) -> None:
+        self.engine.save_checkpoint(str(folder), tag=self.TAG, save_latest=False)
+
+    def load(self, folder: Path) -> None:
+        path, _ = self.engine.load_checkpoint(
+            str(folder), tag=self.TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+        )
+        if path is None:
+            raise RuntimeError(f"{folder}: DeepSpeed could not load the checkpoint")
+
+    def extra_state(self) -> dict:
+        return {}
+
+    def load_extra_state(self, state: dict) -> None:
+        pass
+
+    def full_state_dict(self) -> dict | None:
+        if self.engine.zero_optimization_partition_weights():
+            state = self.engine._zero3_consolidated_16bit_state_dict()
+        else:
+            state = self.engine.module.state_dict()
+        if not self.job.is_main:
+            return None
+        return {name: tensor.detach().cpu() for name, tensor in state.items()}
+
+    @torch.no_grad()
+    def forward(self, input_ids) -> torch.Tensor:
+        self.engine.eval()
+        logits = self.engine(input_ids=input_ids.to(self.job.device), use_cache=False).logits
+        self.engine.train()
+        return logits.float().cpu()
+
+
+def build(model, options: dict, job: Job, accumulation: int):
+    if options["gradient_checkpointing"]:
+        # Non-reentrant checkpointing is the variant that works under FSDP2 and ZeRO-3 hooks.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if options["backend"] == "fsdp":
+        return FSDPBackend(model, options, job, accumulation)
+    return DeepSpeedBackend(model, options, job, accumulation)

@@ -1,0 +1,205 @@
+"""Train stage, the parts that need no training run: schedule, data order, shard reading, option and
+batch-size errors, the launcher's own options and the rule's Slurm resources."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import numpy as np
+import pytest
+import yaml
+
+from fedtune.blocks import BlockOrder, Blocks, DataError, manifest_shards
+from fedtune.config import ConfigError
+from fedtune.schedule import learning_rate
+from fedtune.train import EXIT_USER_ERROR, check_options
+from tests.train_runs import BLOCK_SIZE, LAUNCH, PYTHON, ROOT, env
+
+pytest_plugins = ["tests.train_fixtures"]
+
+
+def test_learning_rate_warms_up_then_decays_to_the_floor():
+    kwargs = {"lr": 1.0, "total_steps": 20, "warmup_steps": 4, "min_lr_ratio": 0.1}
+    for schedule in ("cosine", "linear"):
+        rates = [learning_rate(s, schedule=schedule, **kwargs) for s in range(20)]
+        assert rates[:4] == sorted(rates[:4]) and rates[0] < rates[3] < 1.0
+        assert rates[4] == pytest.approx(1.0)
+        assert all(a >= b for a, b in zip(rates[4:], rates[5:], strict=False))
+        assert rates[-1] == pytest.approx(0.1)
+    assert learning_rate(10, schedule="constant", **kwargs) == 1.0
+    # Cosine stays above linear in the first half of the decay.
+    assert learning_rate(8, schedule="cosine", **kwargs) > learning_rate(8, schedule="linear", **kwargs)
+
+
+def test_block_order_is_seeded_and_the_same_for_any_world_size():
+    two = BlockOrder(num_blocks=50, global_batch=8, micro_batch=2, world_size=2, seed=3)
+    four = BlockOrder(num_blocks=50, global_batch=8, micro_batch=1, world_size=4, seed=3)
+    assert two.steps_per_epoch == 6 and two.accumulation == 2 and four.accumulation == 2
+    for step in range(14):
+        batch = two.global_indices(step)
+        assert np.array_equal(batch, four.global_indices(step))
+        for order in (two, four):
+            ranks = [np.concatenate(order.micro_batches(step, r)) for r in range(order.world_size)]
+            assert sorted(np.concatenate(ranks)) == sorted(batch)
+    epoch = np.concatenate([two.global_indices(s) for s in range(6)])
+    assert len(set(epoch)) == 48  # an epoch visits distinct blocks; the last partial batch is dropped
+    assert two.position(13) == {"epoch": 2, "batch": 1}
+    assert not np.array_equal(two.global_indices(6), two.global_indices(0))  # each epoch reshuffles
+    other_seed = BlockOrder(num_blocks=50, global_batch=8, micro_batch=2, world_size=2, seed=4)
+    assert not np.array_equal(other_seed.global_indices(0), two.global_indices(0))
+
+
+def test_blocks_reads_the_shards_of_a_manifest(site_manifest):
+    from datasets import load_from_disk
+
+    shards = manifest_shards(site_manifest)
+    blocks = Blocks(shards)
+    first = load_from_disk(str(shards[0]))
+    second = load_from_disk(str(shards[1]))
+    assert len(blocks) == len(first) + len(second) and blocks.block_size == BLOCK_SIZE
+    input_ids, labels = blocks.get([0, len(first)])
+    assert input_ids.tolist() == [first[0]["input_ids"], second[0]["input_ids"]]
+    assert labels.tolist() == [first[0]["labels"], second[0]["labels"]]
+    assert (labels == -100).any()
+
+
+def test_global_batch_must_divide_into_micro_batches():
+    with pytest.raises(DataError, match=r"global_batch \(10\) must be a multiple of .* = 4.*8 or 12"):
+        BlockOrder(num_blocks=50, global_batch=10, micro_batch=2, world_size=2, seed=0)
+    with pytest.raises(DataError, match="larger than the 6 training blocks"):
+        BlockOrder(num_blocks=6, global_batch=8, micro_batch=2, world_size=2, seed=0)
+
+
+def run_cli(tmp_path, manifest, options, **extra_env):
+    args = [PYTHON, "-m", "fedtune.train", "--site", "s", "--init", str(tmp_path / "no-model"), "--manifest"]
+    args += [str(manifest), "--options", json.dumps(options)]
+    args += ["--checkpoints", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")]
+    return subprocess.run(args, capture_output=True, text=True, env=env(**extra_env), timeout=120)
+
+
+def test_cli_reports_indivisible_batch_before_starting(tmp_path, site_manifest):
+    # WORLD_SIZE without RANK or MASTER_ADDR: the check must come before any process group exists.
+    result = run_cli(tmp_path, site_manifest, {"global_batch": 10, "micro_batch": 2}, WORLD_SIZE="2")
+    assert result.returncode == EXIT_USER_ERROR, result.stderr
+    assert "global_batch (10) must be a multiple of micro_batch (2) x world size (2)" in result.stderr
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_cli_options_error_names_the_key(tmp_path, site_manifest):
+    result = run_cli(tmp_path, site_manifest, {"backend": "fsdp", "zero_stage": 7})
+    assert result.returncode == EXIT_USER_ERROR
+    assert "--options: zero_stage:" in result.stderr and "7" in result.stderr
+    result = run_cli(tmp_path, site_manifest, {"learning_rate": 0.1})
+    assert result.returncode == EXIT_USER_ERROR and "learning_rate" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("options", "key"),
+    [
+        ({"precision": "fp8"}, "precision"),
+        ({"betas": [0.9]}, "betas"),
+        ({"backend": "deepspeed", "zero_stage": 2, "offload_params": True}, "offload_params"),
+        ({"backend": "fsdp", "offload_optimizer": True}, "offload_optimizer"),
+        ({"backend": "deepspeed", "sharding": "hybrid"}, "sharding"),
+        ({"backend": "fsdp", "deepspeed_extra": {"zero_optimization": {}}}, "deepspeed_extra"),
+    ],
+)
+def test_check_options_names_the_key(options, key):
+    with pytest.raises(ConfigError, match=rf"--options: {key}:"):
+        check_options(options)
+
+
+def test_bf16_is_refused_where_the_cluster_says_its_gpus_lack_it(monkeypatch):
+    monkeypatch.setenv("FEDTUNE_NO_BF16", "1")
+    with pytest.raises(ConfigError, match="--options: precision: bf16, but this cluster's GPUs have none"):
+        check_options({"precision": "bf16"})
+    assert check_options({"precision": "fp16"})["precision"] == "fp16"
+
+
+def test_a_corrupted_shard_is_named_before_training(tmp_path, tiny_model_dir):
+    from tests.train_runs import make_site_data
+
+    manifest = make_site_data(tmp_path, tiny_model_dir, shards=2)
+    arrow = next((manifest.parent / "train" / "shard-1").glob("*.arrow"))
+    blob = bytearray(arrow.read_bytes())
+    blob[-64] ^= 0xFF
+    arrow.write_bytes(bytes(blob))
+    args = [PYTHON, "-m", "fedtune.train", "--site", "s", "--init", str(tiny_model_dir), "--manifest",
+            str(manifest), "--options", json.dumps({"micro_batch": 2, "global_batch": 4, "max_steps": 1}),
+            "--checkpoints", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")]  # fmt: skip
+    result = subprocess.run(args, capture_output=True, text=True, env=env(), timeout=300)
+    assert result.returncode == EXIT_USER_ERROR, result.stderr
+    assert f"{arrow.name}: missing or corrupted" in result.stderr and "shard-1" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_check_options_fills_defaults():
+    options = check_options({"backend": "deepspeed"})
+    assert options["zero_stage"] == 2 and options["deepspeed_extra"] == {} and options["retries"] >= 1
+
+
+def test_launch_rejects_an_unknown_launcher():
+    result = subprocess.run(
+        ["bash", str(LAUNCH), "--launcher", "mpirun", "--", "true"], capture_output=True, text=True
+    )
+    assert result.returncode == 2 and "local, torchrun or srun" in result.stderr
+
+
+def test_launch_sources_the_cluster_file(tmp_path):
+    clusters = tmp_path / "clusters"
+    clusters.mkdir()
+    (clusters / "mycluster.sh").write_text("export FEDTUNE_TEST_CLUSTER=sourced\n")
+    command = [PYTHON, "-c", "import os; print('cluster', os.environ['FEDTUNE_TEST_CLUSTER'])"]
+    result = subprocess.run(
+        ["bash", str(LAUNCH), "--cluster", "mycluster", "--procs-per-node", "1", "--", *command],
+        capture_output=True,
+        text=True,
+        env=env(FEDTUNE_CLUSTERS_DIR=str(clusters)),
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "cluster sourced" in result.stdout
+
+
+def test_train_rule_resources_follow_the_launcher(tmp_path):
+    """Dry run: a Slurm site gets nodes/tasks/gres and mpi=srun; a local site gets no mpi resource."""
+    demo = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+    for site in demo["sites"].values():
+        files = site["dataset"]["data_files"]
+        site["dataset"]["data_files"] = {split: str(ROOT / path) for split, path in files.items()}
+    demo["results"] = str(tmp_path / "results")
+    demo["sites"]["alpha"]["train"] = {
+        "launcher": "srun",
+        "nodes": 2,
+        "processes_per_node": 4,
+        "gpus_per_node": 4,
+        "cpus_per_process": 8,
+        "global_batch": 64,
+    }
+    demo["sites"]["beta"]["train"] = {"launcher": "torchrun", "nodes": 2, "processes_per_node": 2}
+    demo["sites"]["gamma"] = {**demo["sites"]["beta"], "train": {}}
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(demo))
+    sites = ("alpha", "beta", "gamma")
+    targets = [str(tmp_path / "results" / "demo" / "round-1" / site / "model") for site in sites]
+    result = subprocess.run(
+        [str(ROOT / ".venv" / "bin" / "snakemake"), "-n", "-p", "--nolock", "--cores", "2", *targets]
+        + ["--configfile", str(config)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env(),
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    jobs = {}
+    for block in result.stdout.split("rule train:")[1:]:
+        site = next(name for name in sites if f"site={name}" in block)
+        jobs[site] = block.split("\n\n")[0] + block.split("Shell command:")[-1].split("\n")[0]
+    assert "nodes=2, tasks=8, tasks_per_gpu=1, cpus_per_task=8, gres=gpu:4" in jobs["alpha"]
+    assert "mpi=srun" in jobs["alpha"] and "--launcher srun --nodes 2 --procs-per-node 4" in jobs["alpha"]
+    assert "nodes=2, tasks=2, cpus_per_task=2" in jobs["beta"] and "gres" not in jobs["beta"]
+    assert "--launcher torchrun" in jobs["beta"] and "mpi=srun" in jobs["beta"]
+    assert "mpi" not in jobs["gamma"] and "--launcher local --nodes 1 --procs-per-node 2" in jobs["gamma"]
+    assert "--checkpoints" in jobs["alpha"] and "round-1/alpha/checkpoints" in jobs["alpha"]
