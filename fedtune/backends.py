@@ -79,8 +79,7 @@ class FSDPBackend:
             mesh = init_device_mesh(job.device.type, (job.world_size,), mesh_dim_names=("shard",))
         else:
             # HSDP: parameters sharded over the second dimension, replicated (all-reduced) over the first.
-            # `none` shards over groups of one: plain data parallelism through the same code path.
-            shape = (job.world_size, 1) if sharding == "none" else (job.nodes, job.local_world_size)
+            shape = (job.nodes, job.local_world_size)
             mesh = init_device_mesh(job.device.type, shape, mesh_dim_names=("replicate", "shard"))
         low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(options["precision"])
         policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else None
@@ -100,6 +99,8 @@ class FSDPBackend:
             betas=tuple(options["betas"]),
             weight_decay=options["weight_decay"],
             eps=ADAM_EPS,
+            # torch leaves foreach off on CPU: one (DTensor) dispatch per parameter and op otherwise.
+            foreach=True,
         )
         self.scaler = LossScaler() if options["precision"] == "fp16" else None
 
@@ -121,7 +122,7 @@ class FSDPBackend:
             for p in params:
                 p.grad.div_(self.scaler.scale)
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         finite = math.isfinite(norm)
         if self.scaler:
@@ -169,6 +170,52 @@ class FSDPBackend:
         logits = self.model(input_ids=input_ids.to(self.job.device), use_cache=False).logits
         self.model.train()
         return logits.float().cpu()
+
+
+class DDPBackend(FSDPBackend):
+    """sharding none: plain data parallelism with torch DDP. FSDP2 over groups of one would work too,
+    but it all-reduces each layer's gradients with a blocking call, which on CPU (no streams) stalls
+    backward at every layer; DDP's bucketed all-reduce overlaps it (benchmarks/README.md, Training).
+    Checkpoints and the exported state go through the same torch.distributed.checkpoint calls."""
+
+    name = "fsdp"
+
+    def __init__(self, model, options: dict, job: Job, accumulation: int):
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.job, self.accumulation = job, accumulation
+        self.grad_clip = options["grad_clip"]
+        model.to(job.device)
+        device_ids = [job.device.index] if job.device.type == "cuda" else None
+        self.model = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+        # FSDP casts parameters for mixed precision; DDP keeps fp32 parameters, so autocast does it.
+        self.low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(options["precision"])
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=options["lr"],
+            betas=tuple(options["betas"]),
+            weight_decay=options["weight_decay"],
+            eps=ADAM_EPS,
+            # torch leaves foreach off on CPU: one (DTensor) dispatch per parameter and op otherwise.
+            foreach=True,
+        )
+        self.scaler = LossScaler() if options["precision"] == "fp16" else None
+
+    def forward_backward(self, input_ids, labels, weight: float, last: bool) -> torch.Tensor:
+        import contextlib
+
+        # Gradients are reduced across ranks only once per optimizer step, after the last micro batch.
+        sync = contextlib.nullcontext() if last else self.model.no_sync()
+        trained = int((labels[:, 1:] != -100).sum())
+        input_ids, labels = input_ids.to(self.job.device), labels.to(self.job.device)
+        with sync:
+            with torch.autocast(
+                self.job.device.type, dtype=self.low or torch.float32, enabled=bool(self.low)
+            ):
+                loss = _micro_loss(self.model, input_ids, labels, trained)
+            scale = weight / self.accumulation * (self.scaler.scale if self.scaler else 1.0)
+            (loss.float() * scale).backward()
+        return loss.detach().float()
 
 
 def deepspeed_config(options: dict, accumulation: int, device: torch.device) -> dict:
@@ -290,5 +337,6 @@ def build(model, options: dict, job: Job, accumulation: int):
         # Non-reentrant checkpointing is the variant that works under FSDP2 and ZeRO-3 hooks.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if options["backend"] == "fsdp":
-        return FSDPBackend(model, options, job, accumulation)
+        cls = DDPBackend if options["sharding"] == "none" else FSDPBackend
+        return cls(model, options, job, accumulation)
     return DeepSpeedBackend(model, options, job, accumulation)

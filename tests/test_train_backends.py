@@ -92,8 +92,14 @@ def test_deepspeed_zero3_matches_fsdp(deepspeed3_run, reference_run):
             {"backend": "deepspeed", "zero_stage": 1, "offload_optimizer": True, "precision": "bf16"},
             "bfloat16",
         ),
+        ({"backend": "fsdp", "sharding": "none", "precision": "fp16"}, "float16"),
     ],
-    ids=["fsdp-hybrid_zero2-bf16-checkpointing", "fsdp-fp16-sharded-export", "deepspeed1-offload-bf16"],
+    ids=[
+        "fsdp-hybrid_zero2-bf16-checkpointing",
+        "fsdp-fp16-sharded-export",
+        "deepspeed1-offload-bf16",
+        "ddp-fp16-autocast",
+    ],
 )
 def test_other_modes_train(tiny_model_dir, site_manifest, tmp_path, options, dtype):
     from safetensors import safe_open

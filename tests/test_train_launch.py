@@ -53,8 +53,8 @@ def test_torchrun_per_node_two_nodes_train_together(tiny_model_dir, site_manifes
 
 
 def test_srun_task_per_process_without_torchrun(tiny_model_dir, site_manifest, reference_run, tmp_path):
-    """One task per process, ranks from SLURM_PROCID / SLURM_LOCALID / SLURM_NTASKS; FSDP sharding none
-    (plain data parallel through HSDP with shard groups of one)."""
+    """One task per process, ranks from SLURM_PROCID / SLURM_LOCALID / SLURM_NTASKS; sharding none
+    (plain data parallel with DDP), which must match FSDP full sharding."""
     args = train_args(tiny_model_dir, site_manifest, tmp_path, {"sharding": "none"})
     result, slurm_log = launch_on_fake_slurm(tmp_path, args, "srun", "srun task per process")
     assert sorted(hosts(result.stdout).values()) == ["n1", "n2"]
