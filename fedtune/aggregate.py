@@ -30,6 +30,7 @@ import torch
 
 from fedtune import offline
 from fedtune.atomic import atomic_dir, write_json
+from fedtune.checksums import sha256_file
 from fedtune.models import ModelError, record_checksums, verify_checksums
 
 METHODS = ("fedavg",)
@@ -83,7 +84,6 @@ ST_DTYPES = {
 ST_NAMES = {dtype: name for name, dtype in ST_DTYPES.items()}
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-HASH_CHUNK = 16 << 20
 # At most this many differences of one kind are spelled out; the rest are counted.
 SHOWN = 8
 
@@ -448,16 +448,6 @@ def shard_header(tensors: Sequence[OutTensor]) -> bytes:
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     return struct.pack("<Q", len(raw)) + raw
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        buffer = bytearray(HASH_CHUNK)
-        view = memoryview(buffer)
-        while n := f.readinto(buffer):
-            digest.update(view[:n])
-    return digest.hexdigest()
 
 
 class InputHashes:

@@ -39,6 +39,18 @@ def _micro_loss(model, input_ids, labels, trained: int):
     return output.loss
 
 
+def adamw(model, options: dict) -> torch.optim.AdamW:
+    return torch.optim.AdamW(
+        model.parameters(),
+        lr=options["lr"],
+        betas=tuple(options["betas"]),
+        weight_decay=options["weight_decay"],
+        eps=ADAM_EPS,
+        # torch leaves foreach off on CPU: one (DTensor) dispatch per parameter and op otherwise.
+        foreach=True,
+    )
+
+
 class LossScaler:
     """Dynamic loss scaling for fp16: the scale halves when the gradients overflow (the step is skipped)
     and doubles after `growth_interval` good steps. Decided on the global gradient norm, so every rank
@@ -93,15 +105,7 @@ class FSDPBackend:
                 fully_shard(module, **kwargs)
         fully_shard(model, **kwargs)
         self.model = model
-        self.optimizer = torch.optim.AdamW(
-            model.parameters(),
-            lr=options["lr"],
-            betas=tuple(options["betas"]),
-            weight_decay=options["weight_decay"],
-            eps=ADAM_EPS,
-            # torch leaves foreach off on CPU: one (DTensor) dispatch per parameter and op otherwise.
-            foreach=True,
-        )
+        self.optimizer = adamw(model, options)
         self.scaler = LossScaler() if options["precision"] == "fp16" else None
 
     def forward_backward(self, input_ids, labels, weight: float, last: bool) -> torch.Tensor:
@@ -190,15 +194,7 @@ class DDPBackend(FSDPBackend):
         self.model = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
         # FSDP casts parameters for mixed precision; DDP keeps fp32 parameters, so autocast does it.
         self.low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(options["precision"])
-        self.optimizer = torch.optim.AdamW(
-            model.parameters(),
-            lr=options["lr"],
-            betas=tuple(options["betas"]),
-            weight_decay=options["weight_decay"],
-            eps=ADAM_EPS,
-            # torch leaves foreach off on CPU: one (DTensor) dispatch per parameter and op otherwise.
-            foreach=True,
-        )
+        self.optimizer = adamw(model, options)
         self.scaler = LossScaler() if options["precision"] == "fp16" else None
 
     def forward_backward(self, input_ids, labels, weight: float, last: bool) -> torch.Tensor:

@@ -5,12 +5,13 @@ explicitly allows pickle checkpoints, and never runs remote code unless the conf
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+
+from fedtune.checksums import sha256_file
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -75,14 +76,6 @@ def save_model(model, tokenizer, out_dir: str | Path, *, max_shard_size: str = "
     # a colleague's evaluation) must be able to read them.
     for path in out_dir.iterdir():
         path.chmod(0o644)
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def record_checksums(model_dir: str | Path, digests: dict[str, str] | None = None) -> dict:

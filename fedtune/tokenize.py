@@ -13,7 +13,6 @@ does the work on all the job's threads; no Python loop touches a token."""
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -23,6 +22,7 @@ import numpy as np
 
 from fedtune import offline
 from fedtune.atomic import atomic_dir, write_json
+from fedtune.checksums import sha256_file
 
 COUNTS = "counts.json"
 MODES = ("packing", "padding")
@@ -32,14 +32,6 @@ SUM_KEYS = ("documents", "bytes", "tokens", "tokens_kept", "tokens_dropped", "bl
 
 class TokenizeError(ValueError):
     """Bad input to the tokenize stage: the message names the file, option or value."""
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def model_max_positions(model_dir: Path) -> int | None:
@@ -196,7 +188,7 @@ def tokenize_shard(
 def arrow_files(shard_dir: Path) -> dict:
     """Size and sha256 of each Arrow file of a shard, as counts.json records them."""
     return {
-        p.name: {"bytes": p.stat().st_size, "sha256": sha256(p)}
+        p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
         for p in sorted(Path(shard_dir).glob("*.arrow"))
     }
 
@@ -213,7 +205,7 @@ def verify_shard(shard_dir: str | Path) -> dict:
         if (
             not path.is_file()
             or path.stat().st_size != expected["bytes"]
-            or sha256(path) != expected["sha256"]
+            or sha256_file(path) != expected["sha256"]
         ):
             raise TokenizeError(f"{path}: missing or corrupted (size or checksum differs from {counts_path})")
     return counts
