@@ -144,13 +144,17 @@ def load_causal_lm(
     allow_pickle: bool = False,
     trust_remote_code: bool = False,
     revision: str | None = None,
+    verify: bool = True,
 ):
-    """A causal LM from a save_pretrained folder or (download stage only) a hub id."""
+    """A causal LM from a save_pretrained folder or (download stage only) a hub id. `verify=False`
+    skips hashing the weights, for a process whose folder another process (or an earlier load of its
+    own) has already verified."""
     from transformers import AutoModelForCausalLM
 
     if Path(model_dir).exists():
         check_model_dir(model_dir, allow_pickle=allow_pickle)
-        verify_checksums(model_dir)
+        if verify:
+            verify_checksums(model_dir)
     kwargs = {"dtype": DTYPES[dtype]} if dtype else {}
     return AutoModelForCausalLM.from_pretrained(
         model_dir,

@@ -149,7 +149,10 @@ def train(args, options: dict) -> int:
     started_by = "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "direct start"
     say(f"rank {job.rank}/{job.world_size} on host {job.hostname} ({job.device}, {started_by})")
     torch.manual_seed(options["seed"])
-    model = load_causal_lm(args.init, dtype="float32", allow_pickle=args.allow_pickle)
+    # One process per node hashes the starting weights; the others would only read them again.
+    model = load_causal_lm(
+        args.init, dtype="float32", allow_pickle=args.allow_pickle, verify=job.local_rank == 0
+    )
     model.config.use_cache = False
     backend = backends.build(model, options, job, order.accumulation)
     if job.is_main:
@@ -293,7 +296,8 @@ def export(args, state: dict, summary: dict, loss_log: str) -> None:
     from fedtune.atomic import atomic_dir, write_json, write_text
     from fedtune.models import load_causal_lm, load_tokenizer, save_model
 
-    model = load_causal_lm(args.init, dtype=args.dtype, allow_pickle=args.allow_pickle)
+    # Rank 0 verified these weights when training started.
+    model = load_causal_lm(args.init, dtype=args.dtype, allow_pickle=args.allow_pickle, verify=False)
     model.load_state_dict(state)
     tokenizer = load_tokenizer(args.init)
     with atomic_dir(args.out) as tmp:

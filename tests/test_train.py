@@ -134,6 +134,24 @@ def test_a_corrupted_shard_is_named_before_training(tmp_path, tiny_model_dir):
     assert not (tmp_path / "out").exists()
 
 
+def test_corrupted_starting_weights_are_named_before_training(tmp_path, tiny_model_dir, site_manifest):
+    import shutil
+
+    init = tmp_path / "init"
+    shutil.copytree(tiny_model_dir, init)
+    weights = init / "model.safetensors"
+    blob = bytearray(weights.read_bytes())
+    blob[len(blob) // 2] ^= 0x01
+    weights.write_bytes(bytes(blob))
+    args = [PYTHON, "-m", "fedtune.train", "--site", "s", "--init", str(init), "--manifest", str(site_manifest),
+            "--options", json.dumps({"micro_batch": 2, "global_batch": 4, "max_steps": 1}),
+            "--checkpoints", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")]  # fmt: skip
+    result = subprocess.run(args, capture_output=True, text=True, env=env(), timeout=300)
+    assert result.returncode == EXIT_USER_ERROR, result.stderr
+    assert "model.safetensors: sha256 differs" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_check_options_fills_defaults():
     options = check_options({"backend": "deepspeed"})
     assert options["zero_stage"] == 2 and options["deepspeed_extra"] == {} and options["retries"] >= 1
