@@ -1,11 +1,12 @@
 """FSDP2 and DeepSpeed behind one small interface, so that the training loop in fedtune.train reads the
 same for both:
 
-    backend.forward_backward(input_ids, labels, weight, last)  one micro batch; returns its mean loss
+    backend.forward_backward(input_ids, labels, weight, last, attention_mask)
+                                                               one micro batch; returns its mean loss
     backend.step(lr)                                           one optimizer step; returns the grad norm
     backend.save(folder) / backend.load(folder)                sharded checkpoint (collective)
     backend.full_state_dict()                                  gathered weights, on rank 0 (collective)
-    backend.forward(input_ids)                                 logits, for probes
+    backend.forward(input_ids, attention_mask)                 logits, for probes
 
 Every rank holds the same full model when a backend is built (loaded from the same folder); the
 backend shards it. Master weights and optimizer state stay in fp32 whatever the precision."""
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from fedtune.blocks import trained_tokens
 from fedtune.distributed import Job
 
 ADAM_EPS = 1e-8
@@ -26,12 +28,33 @@ def decoder_layer_classes(model) -> set[str]:
     # Transformers names the blocks it never splits across devices: exactly the per-layer wrapping unit.
     names = set(getattr(model, "_no_split_modules", None) or [])
     if not names:
-        raise ValueError(f"{type(model).__name__} does not name its decoder layers (_no_split_modules)")
+        # Some models (DistilBERT) name none; their layers are the members of the model's ModuleLists.
+        names = {
+            type(layer).__name__
+            for module in model.modules()
+            if isinstance(module, torch.nn.ModuleList) and len(module) > 1
+            for layer in module
+        }
+    if not names:
+        raise ValueError(f"{type(model).__name__} does not name its layers (_no_split_modules, ModuleList)")
     return names
 
 
-def _micro_loss(model, input_ids, labels, trained: int):
-    output = model(input_ids=input_ids, labels=labels, use_cache=False)
+def model_inputs(input_ids, labels=None, attention_mask=None) -> dict:
+    """Keyword arguments of a forward pass. A classifier's rows come with their attention mask (its
+    padding must not be attended to); a language model runs without a KV cache, which training never reuses."""
+    inputs = {"input_ids": input_ids}
+    if labels is not None:
+        inputs["labels"] = labels
+    if attention_mask is not None:
+        inputs["attention_mask"] = attention_mask
+    else:
+        inputs["use_cache"] = False
+    return inputs
+
+
+def _micro_loss(model, input_ids, labels, trained: int, attention_mask=None):
+    output = model(**model_inputs(input_ids, labels, attention_mask))
     if trained == 0:
         # A micro batch with no target token has a 0/0 loss; it still has to run backward so that
         # the collectives of every rank line up.
@@ -108,12 +131,16 @@ class FSDPBackend:
         self.optimizer = adamw(model, options)
         self.scaler = LossScaler() if options["precision"] == "fp16" else None
 
-    def forward_backward(self, input_ids, labels, weight: float, last: bool) -> torch.Tensor:
+    def forward_backward(
+        self, input_ids, labels, weight: float, last: bool, attention_mask=None
+    ) -> torch.Tensor:
         # Gradients are reduced across ranks only once per optimizer step, after the last micro batch.
         self.model.set_requires_gradient_sync(last)
-        trained = int((labels[:, 1:] != -100).sum())
+        trained = trained_tokens(labels)
         input_ids, labels = input_ids.to(self.job.device), labels.to(self.job.device)
-        loss = _micro_loss(self.model, input_ids, labels, trained)
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(self.job.device)
+        loss = _micro_loss(self.model, input_ids, labels, trained, attention_mask)
         scale = weight / self.accumulation * (self.scaler.scale if self.scaler else 1.0)
         (loss * scale).backward()
         return loss.detach().float()
@@ -169,9 +196,13 @@ class FSDPBackend:
         return state if self.job.is_main else None
 
     @torch.no_grad()
-    def forward(self, input_ids) -> torch.Tensor:
+    def forward(self, input_ids, attention_mask=None) -> torch.Tensor:
         self.model.eval()
-        logits = self.model(input_ids=input_ids.to(self.job.device), use_cache=False).logits
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(self.job.device)
+        logits = self.model(
+            **model_inputs(input_ids.to(self.job.device), attention_mask=attention_mask)
+        ).logits
         self.model.train()
         return logits.float().cpu()
 
@@ -197,18 +228,22 @@ class DDPBackend(FSDPBackend):
         self.optimizer = adamw(model, options)
         self.scaler = LossScaler() if options["precision"] == "fp16" else None
 
-    def forward_backward(self, input_ids, labels, weight: float, last: bool) -> torch.Tensor:
+    def forward_backward(
+        self, input_ids, labels, weight: float, last: bool, attention_mask=None
+    ) -> torch.Tensor:
         import contextlib
 
         # Gradients are reduced across ranks only once per optimizer step, after the last micro batch.
         sync = contextlib.nullcontext() if last else self.model.no_sync()
-        trained = int((labels[:, 1:] != -100).sum())
+        trained = trained_tokens(labels)
         input_ids, labels = input_ids.to(self.job.device), labels.to(self.job.device)
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(self.job.device)
         with sync:
             with torch.autocast(
                 self.job.device.type, dtype=self.low or torch.float32, enabled=bool(self.low)
             ):
-                loss = _micro_loss(self.model, input_ids, labels, trained)
+                loss = _micro_loss(self.model, input_ids, labels, trained, attention_mask)
             scale = weight / self.accumulation * (self.scaler.scale if self.scaler else 1.0)
             (loss.float() * scale).backward()
         return loss.detach().float()
@@ -275,10 +310,14 @@ class DeepSpeedBackend:
             model=model, optimizer=optimizer, model_parameters=model.parameters(), config=self.config
         )
 
-    def forward_backward(self, input_ids, labels, weight: float, last: bool) -> torch.Tensor:
-        trained = int((labels[:, 1:] != -100).sum())
+    def forward_backward(
+        self, input_ids, labels, weight: float, last: bool, attention_mask=None
+    ) -> torch.Tensor:
+        trained = trained_tokens(labels)
         input_ids, labels = input_ids.to(self.job.device), labels.to(self.job.device)
-        loss = _micro_loss(self.engine, input_ids, labels, trained)
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(self.job.device)
+        loss = _micro_loss(self.engine, input_ids, labels, trained, attention_mask)
         # The engine divides by the accumulation steps and applies the fp16 loss scale itself.
         self.engine.backward(loss * weight)
         if not last:
@@ -321,9 +360,13 @@ class DeepSpeedBackend:
         return {name: tensor.detach().cpu() for name, tensor in state.items()}
 
     @torch.no_grad()
-    def forward(self, input_ids) -> torch.Tensor:
+    def forward(self, input_ids, attention_mask=None) -> torch.Tensor:
         self.engine.eval()
-        logits = self.engine(input_ids=input_ids.to(self.job.device), use_cache=False).logits
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(self.job.device)
+        logits = self.engine(
+            **model_inputs(input_ids.to(self.job.device), attention_mask=attention_mask)
+        ).logits
         self.engine.train()
         return logits.float().cpu()
 

@@ -40,15 +40,27 @@ def _column_blocks(table, name: str, block_size: int, where: Path) -> list[np.nd
     return chunks
 
 
+def _column_values(table, name: str, where: Path) -> list[np.ndarray]:
+    if name not in table.column_names:
+        raise DataError(f"{where}: no column {name!r} (columns: {table.column_names})")
+    return [chunk.to_numpy(zero_copy_only=False) for chunk in table.column(name).chunks]
+
+
 class Blocks:
-    """All training blocks of a site, over its shards, indexed 0..len-1 in shard order."""
+    """All training blocks of a site, over its shards, indexed 0..len-1 in shard order. A language
+    modelling block has a label per token; a classification row (task sequence-classification) has one
+    label and the length of its text before padding, from which its attention mask follows."""
 
     def __init__(self, shard_dirs: list[str | Path]):
+        import pyarrow as pa
+
         if not shard_dirs:
             raise DataError("no training shards given")
         self.block_size: int | None = None
+        self.classification: bool | None = None
         self._input_ids: list[np.ndarray] = []
         self._labels: list[np.ndarray] = []
+        self._lengths: list[np.ndarray] = []
         for shard_dir in map(Path, shard_dirs):
             state = shard_dir / "state.json"
             if not state.is_file():
@@ -71,8 +83,19 @@ class Blocks:
                     raise DataError(
                         f"{shard_dir}: block_size {block_size} differs from the other shards' {self.block_size}"
                     )
+                classification = "labels" in table.column_names and not pa.types.is_fixed_size_list(
+                    table.schema.field("labels").type
+                )
+                if self.classification is None:
+                    self.classification = classification
+                elif classification != self.classification:
+                    raise DataError(f"{path}: classification and language-modelling shards mixed")
                 self._input_ids += _column_blocks(table, "input_ids", block_size, path)
-                self._labels += _column_blocks(table, "labels", block_size, path)
+                if classification:
+                    self._labels += _column_values(table, "labels", path)
+                    self._lengths += _column_values(table, "length", path)
+                else:
+                    self._labels += _column_blocks(table, "labels", block_size, path)
         sizes = [len(chunk) for chunk in self._input_ids]
         self._starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         if len(self) == 0:
@@ -86,7 +109,8 @@ class Blocks:
         return np.stack([chunks[c][i - self._starts[c]] for c, i in zip(which, indices, strict=True)])
 
     def get(self, indices):
-        """input_ids and labels of the given blocks, as int64 tensors of shape (len(indices), block_size)."""
+        """input_ids and labels of the given blocks, as int64 tensors: (len(indices), block_size) both,
+        or for classification rows labels of shape (len(indices),)."""
         import torch
 
         indices = np.asarray(indices, dtype=np.int64)
@@ -94,10 +118,22 @@ class Blocks:
         labels = torch.from_numpy(self._rows(self._labels, indices).astype(np.int64))
         return input_ids, labels
 
+    def attention_mask(self, indices):
+        """1 on each classification row's text, 0 on its padding; None for language-modelling blocks
+        (packed blocks have no padding, and a causal model never looks at the padding to its right)."""
+        if not self.classification:
+            return None
+        import torch
+
+        lengths = self._rows(self._lengths, np.asarray(indices, dtype=np.int64))
+        return torch.from_numpy((np.arange(self.block_size)[None, :] < lengths[:, None]).astype(np.int64))
+
 
 def trained_tokens(labels) -> int:
-    """Positions that contribute to the loss: a causal LM predicts token t+1 from t, so the first
-    label of each block is never a target."""
+    """Targets that contribute to the loss. Classification: one per row. Causal LM: a token t+1 is
+    predicted from t, so the first label of each block is never a target."""
+    if labels.dim() == 1:
+        return int((labels != LABEL_IGNORE).sum())
     return int((labels[:, 1:] != LABEL_IGNORE).sum())
 
 

@@ -135,6 +135,8 @@ def check_config(config: dict, *, source: str = "config", base_dir: Path | None 
     validate_section(config, MAIN_SCHEMA, source=source)
     base_dir = Path(base_dir or ".")
     model = config["model"]
+    if config["task"] == "sequence-classification" and model["num_labels"] is None:
+        raise ConfigError(f"{source}: model.num_labels: required for task sequence-classification")
     if model["source"] == "local":
         path = base_dir / model["path"]
         if not (path / "config.json").is_file():
@@ -167,6 +169,9 @@ def check_config(config: dict, *, source: str = "config", base_dir: Path | None 
             f"{source}: tokenize.block_size: {config['tokenize']['block_size']} exceeds "
             f"model.architecture.max_position_embeddings ({max_positions})"
         )
+    from fedtune.sweep import sweep_points  # here, not at the top: fedtune.sweep imports this module
+
+    sweep_points(config, source=source)
     return config
 
 

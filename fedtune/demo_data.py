@@ -63,6 +63,44 @@ def bulletin(rng: random.Random) -> str:
 SITES = {"alpha": recipe, "beta": bulletin}
 SIZES = {"train": 1600, "test": 200}
 
+# Reviews for the classification demo: the class is the tone of the verdict (0 negative, 1 mixed,
+# 2 positive); the sites review different things, so each site's model knows its own vocabulary best.
+TONES = {
+    0: ["awful", "bland", "disappointing", "dreadful", "cold"],
+    1: ["average", "acceptable", "ordinary", "uneven", "passable"],
+    2: ["excellent", "delicious", "wonderful", "superb", "lovely"],
+}
+REVIEWED = {
+    "alpha": ("restaurant", RECIPE["dish"], RECIPE["main"]),
+    "beta": ("hotel", ["room", "breakfast", "view", "staff", "pool", "terrace"], METEO["citta"]),
+}
+REVIEW_SIZES = {"train": 480, "test": 120}
+
+
+def review(rng: random.Random, site: str) -> dict:
+    place, things, extras = REVIEWED[site]
+    label = rng.randrange(len(TONES))
+    thing, extra = rng.choice(things), rng.choice(extras)
+    filler = f"We visited the {place} on a {rng.choice(['Monday', 'Friday', 'Sunday'])} with {extra}."
+    verdict = f"The {thing} was {rng.choice(TONES[label])}."
+    parts = [filler, verdict] if rng.random() < 0.5 else [verdict, filler]
+    return {"text": " ".join(parts), "label": label}
+
+
+def write_reviews(out_dir: str | Path, seed: int = 0) -> list[Path]:
+    """<site>/{train,test}.jsonl with text and label columns, for task sequence-classification."""
+    written = []
+    for site_index, site in enumerate(REVIEWED):
+        for split_index, (split, count) in enumerate(REVIEW_SIZES.items()):
+            rng = random.Random(seed * 1000 + site_index * 10 + split_index + 500)
+            path = Path(out_dir) / site / f"{split}.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "w", encoding="utf-8") as f:
+                for _ in range(count):
+                    f.write(json.dumps(review(rng, site)) + "\n")
+            written.append(path)
+    return written
+
 
 def write(out_dir: str | Path, seed: int = 0) -> list[Path]:
     written = []
@@ -82,8 +120,11 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m fedtune.demo_data", description=__doc__)
     parser.add_argument("out_dir", help="folder to write <site>/{train,test}.jsonl into")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--reviews", action="store_true", help="labelled reviews (text, label) for sequence-classification"
+    )
     args = parser.parse_args(argv)
-    for path in write(args.out_dir, args.seed):
+    for path in (write_reviews if args.reviews else write)(args.out_dir, args.seed):
         print(path)
 
 

@@ -4,6 +4,10 @@ offline stages need into the run's folder.
     python -m fedtune.download data  --spec '<dataset JSON>' --out results/<run>/data/<site>/raw
     python -m fedtune.download model --spec '<model JSON>' [--corpora '<JSON list>'] --out results/<run>/model/base
 
+With --task sequence-classification, `data` also checks the label column (integers in
+0..--num-labels - 1) and `model` saves the base model with a classification head of model.num_labels
+classes (new and seeded with model.seed unless the checkpoint has one of that size).
+
 `--spec` is the config's `sites.<site>.dataset` or `model` section (validated against the schema).
 Hub tokens come from the environment (HF_TOKEN), never from the config or the command line."""
 
@@ -44,8 +48,9 @@ def _format(spec: dict) -> str:
     return formats.pop()
 
 
-def load_splits(spec: dict):
-    """The site's documents as a DatasetDict with exactly the splits train and test."""
+def load_splits(spec: dict, num_labels: int | None = None):
+    """The site's documents as a DatasetDict with exactly the splits train and test. With `num_labels`
+    (classification), every document's label must be a class number below it."""
     from datasets import DatasetDict, load_dataset
 
     if spec["source"] == "local":
@@ -85,14 +90,38 @@ def load_splits(spec: dict):
             splits[split] = data.select(range(spec["max_documents"]))
         if len(splits[split]) == 0:
             raise DataError(f"{label}: the {split} split holds no documents")
+        if num_labels is not None:
+            check_labels(splits[split], spec["label_field"], num_labels, f"{label} ({split} split)")
     return DatasetDict(splits)
 
 
-def download_data(spec: dict, out: str | Path) -> dict:
+def check_labels(data, field: str, num_labels: int, where: str) -> None:
+    """Every value of the label column is a class number in 0..num_labels-1; else DataError naming it."""
+    import numpy as np
+
+    if field not in data.column_names:
+        raise DataError(
+            f"{where}: dataset.label_field {field!r} is not a column; columns: {data.column_names}"
+        )
+    values = np.asarray(data.with_format("numpy")[field])
+    if not np.issubdtype(values.dtype, np.integer):
+        raise DataError(
+            f"{where}: dataset.label_field {field!r} holds {values.dtype} values, not class numbers "
+            f"(first: {values[:3].tolist()}); map them to 0..{num_labels - 1} first"
+        )
+    bad = np.flatnonzero((values < 0) | (values >= num_labels))
+    if len(bad):
+        raise DataError(
+            f"{where}: dataset.label_field {field!r}: row {int(bad[0])} has label {int(values[bad[0]])}, "
+            f"outside 0..{num_labels - 1} (model.num_labels is {num_labels})"
+        )
+
+
+def download_data(spec: dict, out: str | Path, num_labels: int | None = None) -> dict:
     spec = validate_section(
         dict(spec), "config.schema.yaml#/$defs/dataset", source="--spec", prefix="dataset"
     )
-    splits = load_splits(spec)
+    splits = load_splits(spec, num_labels)
     with atomic_dir(out) as tmp:
         splits.save_to_disk(str(tmp))
     counts = {split: len(data) for split, data in splits.items()}
@@ -121,12 +150,17 @@ def _copy_model_dir(source: Path, dest: Path) -> None:
                 shutil.copy2(path, dest / path.name)
 
 
-def download_model(spec: dict, out: str | Path, corpora: list[dict] | None = None) -> None:
+def download_model(
+    spec: dict, out: str | Path, corpora: list[dict] | None = None, task: str = "causal-lm"
+) -> None:
     from fedtune import models
 
     spec = validate_section(dict(spec), "config.schema.yaml#/$defs/model", source="--spec", prefix="model")
     source = spec["source"]
-    record = {"source": source}
+    record = {"source": source, "task": task}
+    classify = task == models.CLASSIFICATION
+    if classify and spec["num_labels"] is None:
+        raise ConfigError("--spec: model.num_labels: required for task sequence-classification")
     with atomic_dir(out) as tmp:
         if source == "init":
             if not corpora:
@@ -137,18 +171,44 @@ def download_model(spec: dict, out: str | Path, corpora: list[dict] | None = Non
             texts = list(_corpus_texts(corpora, tok_spec["max_documents"]))
             tokenizer = models.train_tokenizer(texts, tok_spec["vocab_size"], tok_spec["min_frequency"])
             model = models.build_model(
-                spec["architecture"], tokenizer, dtype=spec["dtype"], seed=spec["seed"]
+                spec["architecture"],
+                tokenizer,
+                dtype=spec["dtype"],
+                seed=spec["seed"],
+                task=task,
+                num_labels=spec["num_labels"],
             )
             models.save_model(model, tokenizer, tmp)
             record.update(
                 architecture=spec["architecture"], tokenizer=tok_spec, documents=len(texts), seed=spec["seed"]
             )
-        elif source == "local":
+        elif source == "local" and not classify:
             path = Path(spec["path"])
             models.check_model_dir(path, allow_pickle=spec["allow_pickle"])
             models.load_tokenizer(path, trust_remote_code=spec["trust_remote_code"])
             _copy_model_dir(path, tmp)
             record.update(path=str(path.resolve()))
+        elif classify:
+            # A classifier needs its head saved with the body: a local folder is loaded and saved, not linked.
+            name = spec["path"] if source == "local" else spec["name"]
+            if source == "local":
+                models.check_model_dir(name, allow_pickle=spec["allow_pickle"])
+            revision = spec["revision"] if source == "hf" else None
+            tokenizer = models.load_tokenizer(
+                name, trust_remote_code=spec["trust_remote_code"], revision=revision
+            )
+            model = models.classification_head(
+                name,
+                tokenizer,
+                num_labels=spec["num_labels"],
+                seed=spec["seed"],
+                dtype=models.DTYPES[spec["dtype"]],
+                use_safetensors=not spec["allow_pickle"],
+                trust_remote_code=spec["trust_remote_code"],
+                revision=revision,
+            )
+            models.save_model(model, tokenizer, tmp)
+            record.update(name=str(name), revision=revision, num_labels=spec["num_labels"])
         else:
             model = models.load_causal_lm(
                 spec["name"],
@@ -175,6 +235,7 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="what", required=True)
     data = sub.add_parser("data", help="a site's train and test splits, saved with save_to_disk")
     data.add_argument("--spec", required=True, help="the site's dataset section as JSON")
+    data.add_argument("--num-labels", type=int, default=None, help="classification: check the labels")
     data.add_argument("--out", required=True)
     model = sub.add_parser("model", help="the base model and tokenizer, saved with save_pretrained")
     model.add_argument("--spec", required=True, help="the model section as JSON")
@@ -183,13 +244,14 @@ def main(argv=None) -> int:
         default="[]",
         help="JSON list of {path, text_field, template}: raw datasets to train a tokenizer on",
     )
+    model.add_argument("--task", default="causal-lm", choices=["causal-lm", "sequence-classification"])
     model.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     try:
         if args.what == "data":
-            download_data(json.loads(args.spec), args.out)
+            download_data(json.loads(args.spec), args.out, args.num_labels)
         else:
-            download_model(json.loads(args.spec), args.out, json.loads(args.corpora))
+            download_model(json.loads(args.spec), args.out, json.loads(args.corpora), args.task)
     except (ConfigError, DataError, ValueError, OSError) as error:
         print(f"error: {redact(str(error))}", file=sys.stderr)
         return 2

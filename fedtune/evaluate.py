@@ -8,7 +8,11 @@ perplexity guide (https://huggingface.co/docs/transformers/perplexity). stride =
 disjoint blocks, where the first token of each block has no context and is not scored.
 
 Perplexity depends on the tokenizer; bits per byte (total NLL in bits over the UTF-8 bytes of the text)
-does not, so models with different vocabularies can be compared on it."""
+does not, so models with different vocabularies can be compared on it.
+
+A classifier (--task sequence-classification) is scored by accuracy and macro-F1 on the test split's
+labels: each document is templated and tokenized as the tokenize stage does for classification (the
+tokenizer's special tokens, truncated at --max-length, which the workflow sets to tokenize.block_size)."""
 
 from __future__ import annotations
 
@@ -116,7 +120,8 @@ def score(model, ids: Sequence[int], max_length: int, stride: int | None, batch_
     return nll.item(), scored, len(spans)
 
 
-def load_texts(data_dir: str | Path, split: str, text_field: str, max_documents: int | None) -> list[str]:
+def load_split(data_dir: str | Path, split: str, columns: dict[str, str], max_documents: int | None):
+    """The split's columns ({option: column name}), after checking each exists."""
     from datasets import DatasetDict, load_from_disk
 
     try:
@@ -127,13 +132,118 @@ def load_texts(data_dir: str | Path, split: str, text_field: str, max_documents:
         if split not in data:
             raise EvaluateError(f"--split: {data_dir} has no split {split!r}; it has {sorted(data)}")
         data = data[split]
-    if text_field not in data.column_names:
-        raise EvaluateError(
-            f"--text-field: {data_dir} has no column {text_field!r}; it has {data.column_names}"
-        )
+    for option, column in columns.items():
+        if column not in data.column_names:
+            raise EvaluateError(f"{option}: {data_dir} has no column {column!r}; it has {data.column_names}")
     if max_documents is not None:
         data = data.select(range(min(max_documents, len(data))))
-    return list(data[text_field])
+    return data
+
+
+def load_texts(data_dir: str | Path, split: str, text_field: str, max_documents: int | None) -> list[str]:
+    return list(load_split(data_dir, split, {"--text-field": text_field}, max_documents)[text_field])
+
+
+def classification_metrics(labels: Sequence[int], predictions: Sequence[int]) -> dict:
+    """Accuracy, macro-F1 and per-class precision / recall / F1 / support. Macro-F1 averages over the
+    classes that occur among the labels or the predictions (scikit-learn's f1_score(average="macro")),
+    with F1 = 0 for a class never predicted correctly."""
+    import numpy as np
+
+    labels, predictions = np.asarray(labels), np.asarray(predictions)
+    if len(labels) == 0 or len(labels) != len(predictions):
+        raise EvaluateError(f"{len(labels)} labels and {len(predictions)} predictions: nothing to score")
+    classes = sorted(set(labels.tolist()) | set(predictions.tolist()))
+    per_class = {}
+    for c in classes:
+        tp = int(((predictions == c) & (labels == c)).sum())
+        predicted, actual = int((predictions == c).sum()), int((labels == c).sum())
+        precision = tp / predicted if predicted else 0.0
+        recall = tp / actual if actual else 0.0
+        f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+        per_class[str(c)] = {"precision": precision, "recall": recall, "f1": f1, "support": actual}
+    return {
+        "accuracy": float((labels == predictions).mean()),
+        "macro_f1": float(np.mean([m["f1"] for m in per_class.values()])),
+        "per_class": per_class,
+    }
+
+
+def classify(model, rows, lengths, batch_size: int, device) -> tuple[list[int], list[list[float]]]:
+    """Predicted class and logits of each row; a batch is cut to its longest row, the rest masked."""
+    import torch
+
+    predictions, all_logits = [], []
+    for first in range(0, len(rows), batch_size):
+        width = int(lengths[first : first + batch_size].max())
+        input_ids = torch.as_tensor(rows[first : first + batch_size, :width], dtype=torch.long)
+        mask = torch.arange(width)[None, :] < torch.as_tensor(lengths[first : first + batch_size])[:, None]
+        with torch.inference_mode():
+            logits = model(
+                input_ids=input_ids.to(device), attention_mask=mask.long().to(device)
+            ).logits.float()
+        predictions += logits.argmax(-1).tolist()
+        all_logits += logits.cpu().tolist()
+    return predictions, all_logits
+
+
+def evaluate_classifier(
+    model_dir: str | Path,
+    data_dir: str | Path,
+    *,
+    split: str,
+    text_field: str,
+    label_field: str,
+    template: str,
+    max_length: int,
+    batch_size: int,
+    max_documents: int | None,
+    dtype: str | None,
+    device: str,
+) -> dict:
+    import numpy as np
+    import torch
+
+    from fedtune.models import CLASSIFICATION, load_model, load_tokenizer
+    from fedtune.tokenize import TokenizeError, encode_examples
+
+    data = load_split(
+        data_dir, split, {"--text-field": text_field, "--label-field": label_field}, max_documents
+    )
+    labels = np.asarray(data.with_format("numpy")[label_field])
+    if len(labels) == 0:
+        raise EvaluateError(f"{data_dir} ({split}): no documents to classify")
+    tokenizer = load_tokenizer(model_dir)
+    model = load_model(model_dir, task=CLASSIFICATION, dtype=dtype)
+    num_labels = model.config.num_labels
+    if not np.issubdtype(labels.dtype, np.integer) or labels.min() < 0 or labels.max() >= num_labels:
+        raise EvaluateError(
+            f"--label-field: {data_dir} ({split}) column {label_field!r} holds values outside "
+            f"0..{num_labels - 1}, the classes of {model_dir}"
+        )
+    try:
+        rows, lengths, _, truncated, n_bytes = encode_examples(
+            data[text_field], tokenizer, template, max_length
+        )
+    except TokenizeError as e:
+        raise EvaluateError(str(e)) from None
+    model.to(device).eval()
+    predictions, logits = classify(model, rows, lengths, batch_size, device)
+    log_probs = torch.log_softmax(torch.tensor(logits, dtype=torch.float64), dim=-1)
+    nll = float(-log_probs[torch.arange(len(labels)), torch.as_tensor(labels)].mean())
+    metrics = classification_metrics(labels.tolist(), predictions)
+    return {
+        **metrics,
+        "nll": nll,
+        "documents": len(labels),
+        "truncated": truncated,
+        "tokens": int(lengths.sum()),
+        "bytes": n_bytes,
+        "num_labels": num_labels,
+        "max_length": max_length,
+        "batch_size": batch_size,
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+    }
 
 
 def evaluate(
@@ -153,6 +263,8 @@ def evaluate(
     site: str | None = None,
     label: str | None = None,
     round_number: int | None = None,
+    task: str = "causal-lm",
+    label_field: str = "label",
 ) -> dict:
     import torch
 
@@ -169,6 +281,28 @@ def evaluate(
             f"--template: {template!r} is not a format string with only {{text}}: {e}"
         ) from None
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    identity = {
+        "model": label or Path(model_dir).name,
+        "model_dir": str(model_dir),
+        "round": round_number,
+        "site": site,
+        "task": task,
+        "data": str(data_dir),
+        "split": split,
+    }
+    if task == "sequence-classification":
+        scores = evaluate_classifier(
+            model_dir, data_dir, split=split, text_field=text_field, label_field=label_field,
+            template=template, max_length=max_length, batch_size=batch_size, max_documents=max_documents,
+            dtype=dtype, device=device,
+        )  # fmt: skip
+        return {
+            **identity,
+            **scores,
+            "template": template,
+            "device": str(device),
+            "wall_time_s": round(time.perf_counter() - started, 3),
+        }
 
     texts = load_texts(data_dir, split, text_field, max_documents)
     tokenizer = load_tokenizer(model_dir)
@@ -186,12 +320,7 @@ def evaluate(
     nll, scored, n_windows = score(model, stream.ids, max_length, stride, batch_size, device)
     mean = nll / scored
     return {
-        "model": label or Path(model_dir).name,
-        "model_dir": str(model_dir),
-        "round": round_number,
-        "site": site,
-        "data": str(data_dir),
-        "split": split,
+        **identity,
         "perplexity": math.exp(mean),
         "nll": mean,
         "nll_sum": nll,
@@ -255,6 +384,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--split", default="test")
     parser.add_argument("--text-field", default="text")
+    parser.add_argument("--task", choices=["causal-lm", "sequence-classification"], default="causal-lm")
+    parser.add_argument("--label-field", default="label", help="class column (sequence-classification)")
     parser.add_argument("--template", default="{text}", help="format string applied to each document")
     parser.add_argument(
         "--options",
@@ -299,12 +430,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             site=args.site,
             label=args.label,
             round_number=args.round,
+            task=args.task,
+            label_field=args.label_field,
             **options,
         )
     except (EvaluateError, ModelError) as e:
         print(f"evaluate: error: {e}", file=sys.stderr)
         return 2
     write_json(args.out, result)
+    if args.task == "sequence-classification":
+        print(
+            f"[evaluate] {result['model']} on {result['site'] or args.data}: accuracy {result['accuracy']:.4f}, "
+            f"macro-F1 {result['macro_f1']:.4f} on {result['documents']:,} documents, "
+            f"{result['wall_time_s']:.1f} s on {result['device']}",
+            file=sys.stderr,
+        )
+        return 0
     print(
         f"[evaluate] {result['model']} on {result['site'] or args.data}: perplexity {result['perplexity']:.4f}, "
         f"{result['bits_per_byte']:.4f} bits/byte, {result['tokens']:,} tokens in {result['windows']} windows, "

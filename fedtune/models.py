@@ -1,7 +1,9 @@
 """Building, saving and loading models and tokenizers in the Hugging Face format.
 
-Every stage loads weights through `load_causal_lm`, which reads safetensors only unless the config
-explicitly allows pickle checkpoints, and never runs remote code unless the config says so."""
+Every stage loads weights through `load_model` (`load_causal_lm` for language models), which reads
+safetensors only unless the config explicitly allows pickle checkpoints, and never runs remote code unless
+the config says so. The task decides the model class: a causal LM (AutoModelForCausalLM) or a
+sequence classifier (AutoModelForSequenceClassification: the same body with a classification head)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,19 @@ BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 
 # Written beside the weights by the stage that wrote them, checked by every stage that reads them.
 CHECKSUMS = "fedtune-checksums.json"
+
+CAUSAL_LM = "causal-lm"
+CLASSIFICATION = "sequence-classification"
+TASKS = (CAUSAL_LM, CLASSIFICATION)
+
+
+def auto_class(task: str):
+    """The transformers Auto class that builds and loads models of `task`."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    if task not in TASKS:
+        raise ModelError(f"task: {task!r} is not one of {TASKS}")
+    return AutoModelForCausalLM if task == CAUSAL_LM else AutoModelForSequenceClassification
 
 
 class ModelError(ValueError):
@@ -45,12 +60,22 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048, min_frequency:
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, pad_token=PAD)
 
 
-def build_model(architecture: dict, tokenizer, *, dtype: str = "float32", seed: int = 0):
-    """A freshly initialised causal LM whose vocabulary and special tokens match `tokenizer`."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def build_model(
+    architecture: dict,
+    tokenizer,
+    *,
+    dtype: str = "float32",
+    seed: int = 0,
+    task: str = CAUSAL_LM,
+    num_labels: int | None = None,
+):
+    """A freshly initialised model of `task` whose vocabulary and special tokens match `tokenizer`."""
+    from transformers import AutoConfig
 
     settings = dict(architecture)
     model_type = settings.pop("model_type", "llama")
+    if task == CLASSIFICATION:
+        settings["num_labels"] = _num_labels(num_labels)
     try:
         config = AutoConfig.for_model(
             model_type,
@@ -63,8 +88,31 @@ def build_model(architecture: dict, tokenizer, *, dtype: str = "float32", seed: 
     except ValueError as e:
         raise ModelError(f"model.architecture.model_type: {model_type!r}: {e}") from None
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    model = auto_class(task).from_config(config)
     return model.to(DTYPES[dtype])
+
+
+def _num_labels(num_labels: int | None) -> int:
+    if num_labels is None or num_labels < 2:
+        raise ModelError(f"model.num_labels: {num_labels!r}; sequence-classification needs 2 or more classes")
+    return num_labels
+
+
+def classification_head(model_dir_or_name, tokenizer, *, num_labels: int, seed: int, **load_kwargs):
+    """A pretrained body (any checkpoint: a causal or masked LM, or a classifier) with a classification
+    head of `num_labels` classes; a new head is initialised from `seed`, so every rank and every rerun
+    starts from the same one. Models that pool the last non-padding token (Llama, GPT-2, OPT) need a
+    padding id: the tokenizer's, else its EOS, as is usual for these models."""
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ModelError(f"{model_dir_or_name}: the tokenizer has neither a padding nor an EOS token")
+        tokenizer.pad_token = tokenizer.eos_token
+    torch.manual_seed(seed)
+    model = auto_class(CLASSIFICATION).from_pretrained(
+        model_dir_or_name, num_labels=_num_labels(num_labels), **load_kwargs
+    )
+    model.config.pad_token_id = tokenizer.pad_token_id
+    return model
 
 
 def save_model(model, tokenizer, out_dir: str | Path, *, max_shard_size: str = "5GB") -> None:
@@ -137,32 +185,51 @@ def check_model_dir(model_dir: str | Path, *, allow_pickle: bool = False) -> Pat
     return model_dir
 
 
-def load_causal_lm(
+def model_task(model_dir: str | Path) -> str:
+    """The task a saved model was built for, from the architectures its config.json names."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    architectures = config.get("architectures") or []
+    return (
+        CLASSIFICATION if any(a.endswith("ForSequenceClassification") for a in architectures) else CAUSAL_LM
+    )
+
+
+def load_model(
     model_dir: str | Path,
     *,
+    task: str = CAUSAL_LM,
     dtype: str | None = None,
     allow_pickle: bool = False,
     trust_remote_code: bool = False,
     revision: str | None = None,
     verify: bool = True,
 ):
-    """A causal LM from a save_pretrained folder or (download stage only) a hub id. `verify=False`
+    """A model of `task` from a save_pretrained folder or (download stage only) a hub id. `verify=False`
     skips hashing the weights, for a process whose folder another process (or an earlier load of its
-    own) has already verified."""
-    from transformers import AutoModelForCausalLM
-
+    own) has already verified. A folder saved for the other task is refused: loading a classifier as
+    a language model (or the reverse) would silently drop or invent a head."""
     if Path(model_dir).exists():
         check_model_dir(model_dir, allow_pickle=allow_pickle)
+        saved = model_task(model_dir)
+        if saved != task:
+            raise ModelError(
+                f"{model_dir}: a {saved} model (config.json architectures), but the task is {task}; "
+                "the base model is made for the configured task by the download stage: rerun it"
+            )
         if verify:
             verify_checksums(model_dir)
     kwargs = {"dtype": DTYPES[dtype]} if dtype else {}
-    return AutoModelForCausalLM.from_pretrained(
+    return auto_class(task).from_pretrained(
         model_dir,
         use_safetensors=not allow_pickle,
         trust_remote_code=trust_remote_code,
         revision=revision,
         **kwargs,
     )
+
+
+def load_causal_lm(model_dir: str | Path, **kwargs):
+    return load_model(model_dir, task=CAUSAL_LM, **kwargs)
 
 
 def load_tokenizer(model_dir: str | Path, *, trust_remote_code: bool = False, revision: str | None = None):

@@ -9,6 +9,9 @@ training.json and loss.csv per (round, site). Outputs, in --out:
     rounds.png               perplexity of each round's aggregate (and the base model) per site
     training.csv / .md       per (round, site): steps, tokens, wall time, tokens/s, final loss
     loss.png                 loss curves of every site, rounds one after the other
+
+For classifiers (task sequence-classification) accuracy takes the place of perplexity (accuracy.csv /
+.md / .png, the .md with macro-F1 below it) and macro_f1.csv that of bits per byte; higher is better.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import json
 import math
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -26,6 +30,22 @@ from fedtune import offline
 
 BASE = "base"
 AGGREGATE = "aggregate"
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """What a task's report shows: its main and second metric, and which way is better."""
+
+    main: str
+    second: str
+    title: str
+    lower_is_better: bool
+
+
+TASK_METRICS = {
+    "causal-lm": Metrics("perplexity", "bits_per_byte", "Perplexity", lower_is_better=True),
+    "sequence-classification": Metrics("accuracy", "macro_f1", "Accuracy", lower_is_better=False),
+}
 
 TRAINING_COLUMNS = [
     "round",
@@ -105,10 +125,17 @@ def eval_table(results: Sequence[dict], metric: str) -> pd.DataFrame:
 
 
 def load_evals(paths: Sequence[str | Path]) -> list[dict]:
-    results = []
+    """The evaluation results, all of one task (results without a task are language-model ones)."""
+    results, task = [], None
     for path in paths:
         r = _read_json(Path(path))
-        missing = [k for k in ("model", "site", "perplexity") if r.get(k) is None]
+        r.setdefault("task", "causal-lm")
+        if r["task"] not in TASK_METRICS:
+            raise ReportError(f"{path}: unknown task {r['task']!r}")
+        if task is not None and r["task"] != task:
+            raise ReportError(f"{path}: a {r['task']} result among {task} results")
+        task = r["task"]
+        missing = [k for k in ("model", "site", TASK_METRICS[task].main) if r.get(k) is None]
         if missing:
             raise ReportError(f"{path}: evaluation result without {missing}")
         r["round"] = int(r.get("round") or 0)
@@ -158,8 +185,14 @@ def _cell(value, digits: int) -> str:
     return str(value)
 
 
-def markdown(table: pd.DataFrame, digits: int | dict[str, int] = 3, bold_min: Sequence[str] = ()) -> str:
-    """A GitHub Markdown table; `digits` per column or for all; in `bold_min` columns the lowest is bold."""
+def markdown(
+    table: pd.DataFrame,
+    digits: int | dict[str, int] = 3,
+    bold_min: Sequence[str] = (),
+    bold_max: Sequence[str] = (),
+) -> str:
+    """A GitHub Markdown table; `digits` per column or for all; the lowest value of each `bold_min`
+    column and the highest of each `bold_max` column in bold."""
     header = "| " + " | ".join(str(c) for c in table.columns) + " |"
     align = (
         "|"
@@ -167,6 +200,7 @@ def markdown(table: pd.DataFrame, digits: int | dict[str, int] = 3, bold_min: Se
         + "|"
     )
     best = {c: table[c].min() for c in bold_min if table[c].notna().any()}
+    best.update({c: table[c].max() for c in bold_max if table[c].notna().any()})
     lines = [header, align]
     for _, row in table.iterrows():
         cells = []
@@ -205,7 +239,9 @@ def _short(value: float) -> str:
     return f"{value:,.0f}" if value >= 1000 else f"{value:.2f}"
 
 
-def heatmap(table: pd.DataFrame, path: Path, title: str) -> None:
+def heatmap(
+    table: pd.DataFrame, path: Path, title: str, metrics: Metrics = TASK_METRICS["causal-lm"]
+) -> None:
     import numpy as np
 
     plt = _pyplot()
@@ -214,25 +250,32 @@ def heatmap(table: pd.DataFrame, path: Path, title: str) -> None:
     labels = _row_labels(table)
     fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(sites), 1.2 + 0.45 * len(labels)), layout="constrained")
     # Colour by log perplexity: one model can be 100x worse on a foreign site, which would flatten
-    # every other difference on a linear scale.
-    shown = np.ma.masked_invalid(np.log(values))
-    image = ax.imshow(shown, cmap="viridis_r", aspect="auto")
+    # every other difference on a linear scale. Accuracy lives in [0, 1]: linear.
+    log = metrics.lower_is_better
+    scale = np.log(values) if log else values
+    shown = np.ma.masked_invalid(scale)
+    image = ax.imshow(shown, cmap="viridis_r" if log else "viridis", aspect="auto")
     for i in range(values.shape[0]):
         for j in range(values.shape[1]):
             if np.isfinite(values[i, j]):
-                dark = shown[i, j] > (np.nanmin(np.log(values)) + np.nanmax(np.log(values))) / 2
+                middle = (np.nanmin(scale) + np.nanmax(scale)) / 2
+                dark = shown[i, j] > middle if log else shown[i, j] < middle
                 ax.text(
                     j, i, f"{values[i, j]:.2f}", ha="center", va="center", color="white" if dark else "black"
                 )
     ax.set_xticks(range(len(sites)), [f"{s} test" for s in sites])
     ax.set_yticks(range(len(labels)), labels)
     ax.set_title(title)
-    fig.colorbar(image, ax=ax, label="log perplexity (lower is better)")
+    fig.colorbar(
+        image,
+        ax=ax,
+        label=f"log {metrics.main} (lower is better)" if log else f"{metrics.main} (higher is better)",
+    )
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def rounds_figure(table: pd.DataFrame, path: Path) -> None:
+def rounds_figure(table: pd.DataFrame, path: Path, metrics: Metrics = TASK_METRICS["causal-lm"]) -> None:
     plt = _pyplot()
     sites = list(table.columns[2:])
     fig, ax = plt.subplots(figsize=(6, 4), layout="constrained")
@@ -247,8 +290,9 @@ def rounds_figure(table: pd.DataFrame, path: Path) -> None:
             ax.plot(xs, ys, marker="o", color=color, label=f"{site} test")
     ax.set_xticks(sorted({0, *merged["round"]}))
     ax.set_xlabel("round (0 = base model)")
-    ax.set_ylabel("perplexity of the aggregate")
-    ax.set_yscale("log")
+    ax.set_ylabel(f"{metrics.main} of the aggregate")
+    if metrics.lower_is_better:
+        ax.set_yscale("log")
     ax.legend()
     ax.grid(alpha=0.3)
     fig.savefig(path, dpi=120)
@@ -307,34 +351,39 @@ def report(
     results = load_evals(evals)
     if not results:
         raise ReportError("no evaluation results (--eval)")
-    perplexity = eval_table(results, "perplexity")
-    bpb = eval_table([r for r in results if r.get("bits_per_byte") is not None], "bits_per_byte")
-    sites = list(perplexity.columns[2:])
+    metrics = TASK_METRICS[results[0]["task"]]
+    main = eval_table(results, metrics.main)
+    second = eval_table([r for r in results if r.get(metrics.second) is not None], metrics.second)
+    sites = list(main.columns[2:])
     train = training_table(training)
 
     paths = {
-        "perplexity_csv": out_dir / "perplexity.csv",
-        "perplexity_md": out_dir / "perplexity.md",
-        "bits_per_byte_csv": out_dir / "bits_per_byte.csv",
-        "perplexity_png": out_dir / "perplexity.png",
+        f"{metrics.main}_csv": out_dir / f"{metrics.main}.csv",
+        f"{metrics.main}_md": out_dir / f"{metrics.main}.md",
+        f"{metrics.second}_csv": out_dir / f"{metrics.second}.csv",
+        f"{metrics.main}_png": out_dir / f"{metrics.main}.png",
         "rounds_png": out_dir / "rounds.png",
         "training_csv": out_dir / "training.csv",
         "training_md": out_dir / "training.md",
         "loss_png": out_dir / "loss.png",
     }
-    write_text(paths["perplexity_csv"], perplexity.to_csv(index=False))
-    write_text(paths["bits_per_byte_csv"], bpb.to_csv(index=False))
-    write_text(
-        paths["perplexity_md"],
-        "Perplexity of each model (rows) on each site's test split (columns); the lowest per column in bold. "
-        "Round 0 is the base model.\n\n" + markdown(perplexity, bold_min=sites),
+    write_text(paths[f"{metrics.main}_csv"], main.to_csv(index=False))
+    write_text(paths[f"{metrics.second}_csv"], second.to_csv(index=False))
+    best = "lowest" if metrics.lower_is_better else "highest"
+    bold = {"bold_min" if metrics.lower_is_better else "bold_max": sites}
+    text = (
+        f"{metrics.title} of each model (rows) on each site's test split (columns); the {best} per column "
+        f"in bold. Round 0 is the base model.\n\n" + markdown(main, **bold)
     )
+    if not metrics.lower_is_better:
+        text += "\nMacro-F1 (the mean of the per-class F1 scores):\n\n" + markdown(second, **bold)
+    write_text(paths[f"{metrics.main}_md"], text)
     write_text(paths["training_csv"], train.to_csv(index=False))
     write_text(
         paths["training_md"], markdown(train, digits={"wall_time_s": 1, "tokens_per_s": 0, "final_loss": 4})
     )
-    heatmap(perplexity, paths["perplexity_png"], "Perplexity on each site's test split")
-    rounds_figure(perplexity, paths["rounds_png"])
+    heatmap(main, paths[f"{metrics.main}_png"], f"{metrics.title} on each site's test split", metrics)
+    rounds_figure(main, paths["rounds_png"], metrics)
     loss_figure(losses, paths["loss_png"])
     return paths
 
@@ -373,7 +422,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ReportError as e:
         print(f"report: error: {e}", file=sys.stderr)
         return 2
-    print(Path(paths["perplexity_md"]).read_text(encoding="utf-8"), file=sys.stderr)
+    table = next(path for key, path in paths.items() if key.endswith("_md") and key != "training_md")
+    print(Path(table).read_text(encoding="utf-8"), file=sys.stderr)
     return 0
 
 

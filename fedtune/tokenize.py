@@ -8,7 +8,11 @@ A shard holds the documents `Dataset.shard(N, K, contiguous=True)` gives it, so 
 exactly one shard whatever N is. Each document becomes [BOS] text [EOS]; `packing` concatenates them and
 cuts full blocks (the shard's remainder is dropped and counted), `padding` puts one document per block,
 truncated or right-padded, with labels -100 on padding. The fast tokenizer's Rust `encode_batch_fast`
-does the work on all the job's threads; no Python loop touches a token."""
+does the work on all the job's threads; no Python loop touches a token.
+
+With --task sequence-classification a shard holds one row per document: the templated text with the
+tokenizer's own special tokens ([CLS] text [SEP] for BERT, as Hugging Face's run_glue does), truncated
+and right-padded to --block-size, its length, and its class from --label-field as the label."""
 
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from fedtune.checksums import sha256_file
 
 COUNTS = "counts.json"
 MODES = ("packing", "padding")
+TASKS = ("causal-lm", "sequence-classification")
 LABEL_IGNORE = -100
 SUM_KEYS = ("documents", "bytes", "tokens", "tokens_kept", "tokens_dropped", "blocks")
 
@@ -98,14 +103,86 @@ def pad(flat: np.ndarray, lengths: np.ndarray, block_size: int, pad_id: int):
     return blocks, labels
 
 
-def blocks_dataset(blocks: np.ndarray, labels: np.ndarray, block_size: int):
+def encode_examples(texts, tokenizer, template: str, block_size: int, batch_size: int = 2048, progress=None):
+    """Classification rows: each templated document with the tokenizer's special tokens, truncated to
+    block_size and right-padded with the padding id. Returns (rows, lengths, tokens dropped, documents
+    truncated, bytes)."""
+    from tokenizers import Tokenizer
+
+    # A copy: truncation is tokenizer state, and the caller's tokenizer must stay as it was.
+    backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    backend.no_padding()
+    backend.enable_truncation(max_length=block_size)
+    specials = backend.num_special_tokens_to_add(False)
+    if block_size <= specials:
+        raise TokenizeError(
+            f"--block-size: {block_size} leaves no room for text after {specials} special tokens"
+        )
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad_id is None:
+        raise TokenizeError("the tokenizer has neither a padding nor an EOS token to pad rows with")
+    rows, lengths, dropped, truncated, n_bytes = [], [], 0, 0, 0
+    batch: list[str] = []
+
+    def flush():
+        nonlocal dropped, truncated, n_bytes
+        for encoding in backend.encode_batch_fast(batch, add_special_tokens=True):
+            row = np.full(block_size, pad_id, dtype=np.int32)
+            row[: len(encoding.ids)] = encoding.ids
+            rows.append(row)
+            lengths.append(len(encoding.ids))
+            if encoding.overflowing:
+                truncated += 1
+                # Each overflow piece carries its own special tokens, which the text never had.
+                dropped += sum(len(piece.ids) - specials for piece in encoding.overflowing)
+        n_bytes += sum(len(t.encode("utf-8")) for t in batch)
+        if progress is not None:
+            progress.update(len(batch))
+        batch.clear()
+
+    for text in texts:
+        batch.append(template.format(text=text))
+        if len(batch) == batch_size:
+            flush()
+    if batch:
+        flush()
+    matrix = np.stack(rows) if rows else np.zeros((0, block_size), dtype=np.int32)
+    return matrix, np.asarray(lengths, dtype=np.int32), dropped, truncated, n_bytes
+
+
+def model_num_labels(model_dir: Path) -> int | None:
+    """Classes of a saved classifier (config.json id2label), None for other models."""
+    config_path = Path(model_dir) / "config.json"
+    if not config_path.is_file():
+        return None
+    config = json.loads(config_path.read_text())
+    if not any(a.endswith("ForSequenceClassification") for a in config.get("architectures") or []):
+        return None
+    return len(config.get("id2label") or {}) or config.get("num_labels")
+
+
+def blocks_dataset(
+    blocks: np.ndarray, labels: np.ndarray, block_size: int, lengths: np.ndarray | None = None
+):
+    """The shard's table. Language modelling: input_ids and labels, block_size tokens each.
+    Classification: input_ids, one label per row, and each row's length before padding."""
     import pyarrow as pa
     from datasets import Dataset
 
     def column(array):
         return pa.FixedSizeListArray.from_arrays(pa.array(array.reshape(-1), type=pa.int32()), block_size)
 
-    return Dataset(pa.table({"input_ids": column(blocks), "labels": column(labels)}))
+    if lengths is None:
+        return Dataset(pa.table({"input_ids": column(blocks), "labels": column(labels)}))
+    return Dataset(
+        pa.table(
+            {
+                "input_ids": column(blocks),
+                "labels": pa.array(labels, type=pa.int32()),
+                "length": pa.array(lengths, type=pa.int32()),
+            }
+        )
+    )
 
 
 def tokenize_shard(
@@ -122,6 +199,8 @@ def tokenize_shard(
     mode: str = "packing",
     add_bos: bool = True,
     site: str | None = None,
+    task: str = "causal-lm",
+    label_field: str = "label",
 ) -> dict:
     from datasets import load_from_disk
     from tqdm import tqdm
@@ -130,6 +209,9 @@ def tokenize_shard(
 
     if mode not in MODES:
         raise TokenizeError(f"--mode: {mode!r} is not one of {MODES}")
+    if task not in TASKS:
+        raise TokenizeError(f"--task: {task!r} is not one of {TASKS}")
+    classify = task == "sequence-classification"
     if not 0 <= shard < num_shards:
         raise TokenizeError(f"--shard: {shard} is not in 0..{num_shards - 1}")
     if "{text}" not in template:
@@ -149,6 +231,12 @@ def tokenize_shard(
     data = splits[split]
     if text_field not in data.column_names:
         raise TokenizeError(f"--text-field: {text_field!r} is not a column of {raw} ({data.column_names})")
+    if classify:
+        return _tokenize_classification_shard(
+            data, raw, split, shard, num_shards, tokenizer_dir, out,
+            template=template, text_field=text_field, label_field=label_field, block_size=block_size,
+            site=site,
+        )  # fmt: skip
     tokenizer = load_tokenizer(tokenizer_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
@@ -165,6 +253,7 @@ def tokenize_shard(
 
     counts = {
         "site": site,
+        "task": task,
         "split": split,
         "shard": shard,
         "num_shards": num_shards,
@@ -177,12 +266,71 @@ def tokenize_shard(
         "tokens_dropped": int(lengths.sum()) - kept,
         "blocks": int(len(blocks)),
     }
+    return _save_shard(out, blocks_dataset(blocks, labels, block_size), counts)
+
+
+def _save_shard(out, dataset, counts: dict) -> dict:
     with atomic_dir(out) as tmp:
-        blocks_dataset(blocks, labels, block_size).save_to_disk(str(tmp))
+        dataset.save_to_disk(str(tmp))
         counts["files"] = arrow_files(tmp)
         write_json(tmp / COUNTS, counts)
     print(json.dumps({k: v for k, v in counts.items() if k != "files"}))
     return counts
+
+
+def _tokenize_classification_shard(
+    data, raw, split, shard, num_shards, tokenizer_dir, out, *, template, text_field, label_field, block_size,
+    site,
+) -> dict:  # fmt: skip
+    from tqdm import tqdm
+
+    from fedtune.models import load_tokenizer
+
+    num_labels = model_num_labels(Path(tokenizer_dir))
+    if num_labels is None:
+        raise TokenizeError(
+            f"--tokenizer: {tokenizer_dir} is not a sequence classifier (config.json architectures); "
+            "the download stage makes one for task sequence-classification"
+        )
+    if label_field not in data.column_names:
+        raise TokenizeError(f"--label-field: {label_field!r} is not a column of {raw} ({data.column_names})")
+    part = data.shard(num_shards=num_shards, index=shard, contiguous=True)
+    labels = np.asarray(part.with_format("numpy")[label_field]) if len(part) else np.zeros(0, np.int64)
+    if len(labels) and (
+        not np.issubdtype(labels.dtype, np.integer) or labels.min() < 0 or labels.max() >= num_labels
+    ):
+        raise TokenizeError(
+            f"--label-field: {raw} ({split}) column {label_field!r} holds {labels.dtype} values in "
+            f"{labels.min()}..{labels.max()}; the model has {num_labels} classes (0..{num_labels - 1})"
+        )
+    tokenizer = load_tokenizer(tokenizer_dir)
+    texts = (
+        t for batch in part.select_columns([text_field]).iter(batch_size=4096) for t in batch[text_field]
+    )
+    with tqdm(total=len(part), desc=f"tokenize {split} shard {shard}", unit="doc", mininterval=2) as bar:
+        rows, lengths, dropped, truncated, n_bytes = encode_examples(
+            texts, tokenizer, template, block_size, progress=bar
+        )
+    kept = int(lengths.sum())
+    counts = {
+        "site": site,
+        "task": "sequence-classification",
+        "split": split,
+        "shard": shard,
+        "num_shards": num_shards,
+        "block_size": block_size,
+        "mode": "padding",
+        "documents": len(part),
+        "bytes": n_bytes,
+        "tokens": kept + dropped,
+        "tokens_kept": kept,
+        "tokens_dropped": dropped,
+        "blocks": len(rows),
+        "truncated": truncated,
+        "num_labels": num_labels,
+        "label_counts": {str(k): int((labels == k).sum()) for k in range(num_labels)},
+    }
+    return _save_shard(out, blocks_dataset(rows, labels.astype(np.int32), block_size, lengths), counts)
 
 
 def arrow_files(shard_dir: Path) -> dict:
@@ -214,14 +362,15 @@ def verify_shard(shard_dir: str | Path) -> dict:
 def write_manifest(shard_dirs: list[str | Path], out: str | Path) -> dict:
     """Per-split totals over a site's shards; checks that every shard of every split is there once."""
     out = Path(out)
-    manifest: dict = {"site": None, "block_size": None, "mode": None, "splits": {}}
+    manifest: dict = {"site": None, "task": None, "block_size": None, "mode": None, "splits": {}}
     seen: dict[str, set[int]] = {}
     for shard_dir in map(Path, shard_dirs):
         counts_path = shard_dir / COUNTS
         if not counts_path.is_file():
             raise TokenizeError(f"{shard_dir}: no {COUNTS}: the shard is incomplete; rerun its tokenize job")
         counts = json.loads(counts_path.read_text())
-        for key in ("site", "block_size", "mode"):
+        counts.setdefault("task", "causal-lm")
+        for key in ("site", "task", "block_size", "mode"):
             if manifest[key] is None:
                 manifest[key] = counts[key]
             elif manifest[key] != counts[key]:
@@ -236,6 +385,9 @@ def write_manifest(shard_dirs: list[str | Path], out: str | Path) -> dict:
         seen[counts["split"]].add(counts["shard"])
         for key in SUM_KEYS:
             split[key] += counts[key]
+        for label, n in counts.get("label_counts", {}).items():
+            split.setdefault("label_counts", {}).setdefault(label, 0)
+            split["label_counts"][label] += n
         split["shards"].append(os.path.relpath(shard_dir.resolve(), out.resolve().parent))
     for name, split in manifest["splits"].items():
         missing = sorted(set(range(split["num_shards"])) - seen[name])
@@ -264,6 +416,8 @@ def main(argv=None) -> int:
     shard.add_argument("--mode", choices=MODES, default="packing")
     shard.add_argument("--add-bos", action=argparse.BooleanOptionalAction, default=True)
     shard.add_argument("--site", default=None, help="site name recorded in counts.json")
+    shard.add_argument("--task", choices=TASKS, default="causal-lm")
+    shard.add_argument("--label-field", default="label", help="class column (sequence-classification)")
     shard.add_argument("--num-proc", type=int, default=None, help="tokenizer threads (the job's cores)")
     shard.add_argument("--out", required=True)
     manifest = sub.add_parser("manifest", help="gather a site's shard counts")
@@ -279,7 +433,8 @@ def main(argv=None) -> int:
             tokenize_shard(
                 args.raw, args.split, args.shard, args.num_shards, args.tokenizer, args.out,
                 template=args.template, text_field=args.text_field, block_size=args.block_size,
-                mode=args.mode, add_bos=args.add_bos, site=args.site,
+                mode=args.mode, add_bos=args.add_bos, site=args.site, task=args.task,
+                label_field=args.label_field,
             )  # fmt: skip
         else:
             write_manifest(args.shards, args.out)

@@ -1,4 +1,5 @@
-"""Fine-tune a causal LM on one site's tokenized shards, with FSDP2 or DeepSpeed, resumably.
+"""Fine-tune a model on one site's tokenized shards, with FSDP2 or DeepSpeed, resumably. The shards say the
+task: token blocks train a causal LM, labelled rows (task sequence-classification) a classifier.
 
     scripts/launch --procs-per-node 2 -- python -m fedtune.train --site alpha \\
         --init results/demo/model/base --manifest results/demo/data/alpha/manifest.json \\
@@ -135,8 +136,9 @@ def train(args, options: dict) -> int:
     import torch
 
     from fedtune import backends, checkpoint, distributed
-    from fedtune.models import load_causal_lm
+    from fedtune.models import CAUSAL_LM, CLASSIFICATION, load_model
 
+    task = CLASSIFICATION if blocks.classification else CAUSAL_LM
     job = distributed.start(options["device"])
     if options["precision"] == "bf16" and job.device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError(
@@ -150,8 +152,8 @@ def train(args, options: dict) -> int:
     say(f"rank {job.rank}/{job.world_size} on host {job.hostname} ({job.device}, {started_by})")
     torch.manual_seed(options["seed"])
     # One process per node hashes the starting weights; the others would only read them again.
-    model = load_causal_lm(
-        args.init, dtype="float32", allow_pickle=args.allow_pickle, verify=job.local_rank == 0
+    model = load_model(
+        args.init, task=task, dtype="float32", allow_pickle=args.allow_pickle, verify=job.local_rank == 0
     )
     model.config.use_cache = False
     backend = backends.build(model, options, job, order.accumulation)
@@ -168,7 +170,7 @@ def train(args, options: dict) -> int:
     identity = run_identity(options, Path(args.init), blocks, job.world_size)
     step, tokens_trained, wall_before = 0, 0, 0.0
     # One row per step; a list, since a string grown by += is copied whole on every step.
-    loss_rows = ["step,loss,lr,grad_norm,tokens_per_s,peak_mem_mb\n"]
+    loss_rows = ["step,epoch,loss,lr,grad_norm,tokens_per_s,peak_mem_mb\n"]
     last = checkpoint.newest(ckpt_root)
     if last is not None:
         saved = checkpoint.read_trainer_state(last)["identity"]
@@ -219,7 +221,10 @@ def train(args, options: dict) -> int:
             input_ids, labels = blocks.get(indices)
             n = trained_tokens(labels)
             weight = n * order.accumulation * job.world_size / step_tokens
-            micro_loss = backend.forward_backward(input_ids, labels, weight, last=m == len(micro_batches) - 1)
+            micro_loss = backend.forward_backward(
+                input_ids, labels, weight, last=m == len(micro_batches) - 1,
+                attention_mask=blocks.attention_mask(indices),
+            )  # fmt: skip
             loss_sum += micro_loss.double() * n
         grad_norm = backend.step(lr)
         # One small all-reduce per step: the global loss, and whether any rank was told to stop.
@@ -230,8 +235,10 @@ def train(args, options: dict) -> int:
         tokens_trained += step_tokens
         dt = time.perf_counter() - t0
         peak = peak_memory_mb(job.device)
+        # The epoch (1-based) this step's blocks come from, for loss-per-epoch tables.
+        epoch = order.position(step - 1)["epoch"] + 1
         loss_rows.append(
-            f"{step},{loss:.6f},{lr:.6e},{grad_norm:.6f},{tokens_per_step / dt:.1f},{peak:.1f}\n"
+            f"{step},{epoch},{loss:.6f},{lr:.6e},{grad_norm:.6f},{tokens_per_step / dt:.1f},{peak:.1f}\n"
         )
         if job.is_main and (step % options["log_every"] == 0 or step == total_steps or step == 1):
             say(
@@ -249,20 +256,24 @@ def train(args, options: dict) -> int:
 
     # -- a probe for tests: logits of the in-memory (sharded) model on the first blocks
     if args.probe_logits:
-        probe_ids, _ = blocks.get(order.global_indices(0)[:2])
-        logits = backend.forward(probe_ids)
+        probe_rows = order.global_indices(0)[:2]
+        probe_ids, _ = blocks.get(probe_rows)
+        logits = backend.forward(probe_ids, blocks.attention_mask(probe_rows))
         if job.is_main:
             torch.save({"input_ids": probe_ids, "logits": logits}, args.probe_logits)
 
     # -- export: a Hugging Face model folder in the configured dtype, plus the run's summary and log
-    state = backend.full_state_dict()
+    # Collective: every rank takes part, or (a sweep's summary-only run) none.
+    state = None if args.summary_only else backend.full_state_dict()
     sharding = options["sharding"] if options["backend"] == "fsdp" else f"zero{options['zero_stage']}"
     if job.is_main:
-        final_loss = float(loss_rows[-1].split(",")[1]) if step else float("nan")
+        final_loss = float(loss_rows[-1].split(",")[2]) if step else float("nan")
         summary = {
             "site": args.site,
+            "task": task,
             "steps": step,
             "epochs": step / order.steps_per_epoch,
+            "steps_per_epoch": order.steps_per_epoch,
             "tokens_seen": step * tokens_per_step,
             "tokens_trained": tokens_trained,
             "final_loss": final_loss,
@@ -283,7 +294,7 @@ def train(args, options: dict) -> int:
             "init": str(args.init),
             "options": options,
         }
-        export(args, state, summary, "".join(loss_rows))
+        export(args, state, summary, "".join(loss_rows), weights=not args.summary_only, task=task)
         say(f"exported {args.out}: {json.dumps({k: summary[k] for k in ('steps', 'final_loss')})}")
     distributed.barrier()
     if options["remove_checkpoints"] and job.is_main:
@@ -292,17 +303,20 @@ def train(args, options: dict) -> int:
     return 0
 
 
-def export(args, state: dict, summary: dict, loss_log: str) -> None:
+def export(args, state: dict, summary: dict, loss_log: str, *, weights: bool = True, task: str) -> None:
     from fedtune.atomic import atomic_dir, write_json, write_text
-    from fedtune.models import load_causal_lm, load_tokenizer, save_model
+    from fedtune.models import load_model, load_tokenizer, save_model
 
-    # Rank 0 verified these weights when training started.
-    model = load_causal_lm(args.init, dtype=args.dtype, allow_pickle=args.allow_pickle, verify=False)
-    model.load_state_dict(state)
-    tokenizer = load_tokenizer(args.init)
     with atomic_dir(args.out) as tmp:
         tmp.chmod(0o755)
-        save_model(model, tokenizer, tmp, max_shard_size=summary["options"]["max_shard_size"])
+        if weights:
+            # Rank 0 verified these weights when training started.
+            model = load_model(
+                args.init, task=task, dtype=args.dtype, allow_pickle=args.allow_pickle, verify=False
+            )
+            model.load_state_dict(state)
+            tokenizer = load_tokenizer(args.init)
+            save_model(model, tokenizer, tmp, max_shard_size=summary["options"]["max_shard_size"])
         write_json(tmp / TRAINING_SUMMARY, summary)
         write_text(tmp / "loss.csv", loss_log)
 
@@ -317,6 +331,11 @@ def parse_args(argv=None):
     parser.add_argument("--checkpoints", required=True, type=Path, help="folder of resumable checkpoints")
     parser.add_argument("--out", required=True, type=Path, help="exported model folder")
     parser.add_argument("--allow-pickle", action="store_true", help="accept .bin weights in --init")
+    parser.add_argument(
+        "--summary-only",
+        action="store_true",
+        help="write training.json and loss.csv to --out but no weights (scaling sweeps)",
+    )
     parser.add_argument("--probe-logits", type=Path, help=argparse.SUPPRESS)  # for tests
     return parser.parse_args(argv)
 

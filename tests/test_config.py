@@ -148,6 +148,13 @@ BAD = [
     ("weights naming an unknown site", edit("aggregate.weights", {"alpha": 1, "gamma": 1}), "gamma"),
     ("zero rounds", edit("federation.rounds", 0), "federation.rounds"),
     ("no sites", edit("sites", {}), "sites"),
+    (
+        "classification without num_labels",
+        edit("task", "sequence-classification"),
+        "model.num_labels: required",
+    ),
+    ("one label class", edit("model.num_labels", 1), "model.num_labels"),
+    ("unknown task", edit("task", "translation"), "task"),
 ]
 
 

@@ -40,9 +40,13 @@ def test_fsdp_full_trains_and_exports(reference_run):
     assert 0 < summary["tokens_trained"] < summary["tokens_seen"]  # masked labels are not trained on
     assert summary["final_loss"] == pytest.approx(losses(model)[-1])
     header, *rows = (model / "loss.csv").read_text().strip().splitlines()
-    assert header == "step,loss,lr,grad_norm,tokens_per_s,peak_mem_mb"
+    assert header == "step,epoch,loss,lr,grad_norm,tokens_per_s,peak_mem_mb"
     assert [int(row.split(",")[0]) for row in rows] == list(range(1, BASE_OPTIONS["max_steps"] + 1))
-    assert all(float(v) > 0 for row in rows for v in row.split(",")[2:])
+    assert all(float(v) > 0 for row in rows for v in row.split(",")[3:])
+    per_epoch = summary["steps_per_epoch"]
+    assert [int(row.split(",")[1]) for row in rows] == [
+        (step - 1) // per_epoch + 1 for step in range(1, BASE_OPTIONS["max_steps"] + 1)
+    ]
     for name in ("config.json", "tokenizer.json", "model.safetensors"):
         assert (model / name).stat().st_mode & 0o044 == 0o044, name  # readable by the group and others
     stdout = (reference_run / "stdout.txt").read_text()

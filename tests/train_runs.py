@@ -187,8 +187,10 @@ def kill_tree(proc, sig=signal.SIGKILL) -> None:
 
 
 def losses(model_out: Path) -> list[float]:
-    lines = (model_out / "loss.csv").read_text().strip().splitlines()[1:]
-    return [float(line.split(",")[1]) for line in lines]
+    import csv
+
+    with open(model_out / "loss.csv") as stream:
+        return [float(row["loss"]) for row in csv.DictReader(stream)]
 
 
 def weights(model_out: Path) -> dict:

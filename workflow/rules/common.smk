@@ -1,6 +1,7 @@
 # Config validation, the results layout and the input functions every rule file uses.
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -26,6 +27,10 @@ CONDA_ENV = "../../envs/fedtune.yaml"
 CONTAINER = os.environ.get("FEDTUNE_CONTAINER", "fedtune.sif")
 
 RUN_DIR = Path(config["results"]) / config["run"]
+TASK = config["task"]
+CLASSIFICATION = TASK == "sequence-classification"
+# The report's main table: perplexity of language models, accuracy of classifiers.
+REPORT_METRIC = "accuracy" if CLASSIFICATION else "perplexity"
 SITES = list(config["sites"])
 ROUNDS = list(range(1, config["federation"]["rounds"] + 1))
 SPLITS = ["train", "test"]
@@ -133,13 +138,18 @@ def train_options(site):
     return _TRAIN_OPTIONS[site]
 
 
-# Train rule: Slurm resources and launcher arguments from the site's train options.
+# Train jobs: Slurm resources and launcher arguments from the site's train options, or from the
+# options given (a sweep job's: the site's with one key changed).
 LAUNCH = str(Path(workflow.basedir) / "scripts" / "launch")
 
 
-def train_slurm_tasks(site):
+def _job_options(site, options):
+    return train_options(site) if options is None else options
+
+
+def train_slurm_tasks(site, options=None):
     """Slurm tasks the launcher starts: one per node (torchrun) or one per process (srun)."""
-    options = train_options(site)
+    options = _job_options(site, options)
     if options["launcher"] == "torchrun":
         return options["nodes"]
     if options["launcher"] == "srun":
@@ -147,39 +157,39 @@ def train_slurm_tasks(site):
     return 1
 
 
-def train_launcher(site):
+def train_launcher(site, options=None):
     # A single task needs no srun step (the job already runs on its node): torchrun starts it directly.
-    options = train_options(site)
-    return options["launcher"] if train_slurm_tasks(site) > 1 else "local"
+    options = _job_options(site, options)
+    return options["launcher"] if train_slurm_tasks(site, options) > 1 else "local"
 
 
-def train_launch_args(site):
-    options = train_options(site)
+def train_launch_args(site, options=None):
+    options = _job_options(site, options)
     return (
-        f"--cluster {config['sites'][site]['cluster']} --launcher {train_launcher(site)}"
+        f"--cluster {config['sites'][site]['cluster']} --launcher {train_launcher(site, options)}"
         f" --nodes {options['nodes']} --procs-per-node {options['processes_per_node']}"
-        f" --cpus-per-task {train_cpus_per_task(site)}"
+        f" --cpus-per-task {train_cpus_per_task(site, options)}"
     )
 
 
-def train_cpus_per_task(site):
-    options = train_options(site)
+def train_cpus_per_task(site, options=None):
+    options = _job_options(site, options)
     per_task = 1 if options["launcher"] == "srun" else options["processes_per_node"]
     return options["cpus_per_process"] * per_task
 
 
-def train_gres(site):
-    gpus = train_options(site)["gpus_per_node"]
+def train_gres(site, options=None):
+    gpus = _job_options(site, options)["gpus_per_node"]
     return f"gpu:{gpus}" if gpus else None
 
 
-def train_tasks_per_gpu(site):
+def train_tasks_per_gpu(site, options=None):
     # The Slurm plugin otherwise reads `tasks` as tasks per GPU; torchrun's one task per node drives
     # all of the node's GPUs (0 = do not set).
-    options = train_options(site)
+    options = _job_options(site, options)
     if not options["gpus_per_node"]:
         return None
-    return 1 if train_launcher(site) == "srun" else 0
+    return 1 if train_launcher(site, options) == "srun" else 0
 
 
 def remote_source(cluster, relative, target):
@@ -212,10 +222,23 @@ def tokenized_outputs():
 
 def get_final_output():
     """Where the models meet: the report (which needs every stage). Elsewhere: this cluster's sites'
-    models of every round, which the aggregating cluster fetches."""
+    models of every round, which the aggregating cluster fetches. Plus the scaling sweep's report
+    where its site trains (SWEEP_TARGETS: sweep.smk, included before rule all)."""
     targets = tokenized_outputs()
     if aggregates_here():
-        targets.append(run_path("report", "perplexity.csv"))
+        targets.append(run_path("report", f"{REPORT_METRIC}.csv"))
     else:
         targets += [site_model_dir(r, site) for r in ROUNDS for site in LOCAL_SITES]
-    return targets
+    return targets + SWEEP_TARGETS
+
+
+# Evaluate rules.
+def eval_task_args(site):
+    """A classifier reads its labels and sees each document cut where training cut it."""
+    if not CLASSIFICATION:
+        return ""
+    label_field = config["sites"][site]["dataset"]["label_field"]
+    return (
+        f"--task {TASK} --label-field {shlex.quote(label_field)}"
+        f" --max-length {config['tokenize']['block_size']}"
+    )

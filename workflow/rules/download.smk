@@ -13,8 +13,13 @@ rule download_data:
         CONTAINER
     params:
         spec=lambda wc: to_json(config["sites"][wc.site]["dataset"]),
+        # A classifier's labels are checked here, before any expensive stage reads them.
+        labels=(
+            f"--num-labels {config['model']['num_labels']}" if CLASSIFICATION else ""
+        ),
     shell:
-        "python -m fedtune.download data --spec {params.spec:q} --out {output:q} > {log:q} 2>&1"
+        "python -m fedtune.download data --spec {params.spec:q} {params.labels}"
+        " --out {output:q} > {log:q} 2>&1"
 
 
 rule download_model:
@@ -38,6 +43,7 @@ rule download_model:
         # Functions, not strings: the templates' {text} must not be read as a wildcard.
         spec=lambda wc: to_json(config["model"]),
         corpora=lambda wc: to_json(tokenizer_corpora()),
+        task=TASK,
     shell:
         "python -m fedtune.download model --spec {params.spec:q} --corpora {params.corpora:q}"
-        " --out {output:q} > {log:q} 2>&1"
+        " --task {params.task} --out {output:q} > {log:q} 2>&1"

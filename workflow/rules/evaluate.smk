@@ -14,10 +14,12 @@ EVAL_RESULTS = [run_path("eval", "base", f"{site}.json") for site in SITES] + [
 # The text is built as the tokenize stage builds it: same template, same BOS choice.
 EVAL_BOS = "--add-bos" if config["tokenize"]["add_bos"] else "--no-add-bos"
 
+
 EVAL_SHELL = (
     "python -m fedtune.evaluate --model {input.model:q} --data {input.data:q} --split test"
     " --text-field {params.text_field:q} --template {params.template:q} {params.bos}"
-    " --options {params.options:q} --site {wildcards.site} --label {params.label} --round {params.round}"
+    " --options {params.options:q} {params.task}"
+    " --site {wildcards.site} --label {params.label} --round {params.round}"
     " --out {output:q} > {log:q} 2>&1"
 )
 
@@ -45,6 +47,7 @@ rule evaluate_base:
         options=to_json(config["evaluate"]),
         label="base",
         round=0,
+        task=lambda wc: eval_task_args(wc.site),
     shell:
         EVAL_SHELL
 
@@ -79,5 +82,6 @@ rule evaluate_round:
         options=to_json(config["evaluate"]),
         label=lambda wc: wc.model,
         round=lambda wc: wc.round,
+        task=lambda wc: eval_task_args(wc.site),
     shell:
         EVAL_SHELL

@@ -10,6 +10,10 @@ TRAINING_SUMMARIES = [
 LOSS_CURVES = [
     f"{r}:{site}={site_model_dir(r, site)}/loss.csv" for r in ROUNDS for site in SITES
 ]
+# The main table and its companion: perplexity and bits per byte, or accuracy and macro-F1.
+REPORT_SECOND = "macro_f1" if CLASSIFICATION else "bits_per_byte"
+REPORT_TITLE = "Accuracy" if CLASSIFICATION else "Perplexity"
+HEATMAP_CAPTION = "heatmap_accuracy.rst" if CLASSIFICATION else "heatmap.rst"
 
 
 rule report:
@@ -18,30 +22,30 @@ rule report:
         # training.json and loss.csv live inside these folders (directory outputs of train).
         models=[site_model_dir(r, site) for r in ROUNDS for site in SITES],
     output:
-        perplexity=report(
-            run_path("report", "perplexity.csv"),
-            caption="../report/perplexity.rst",
-            category="Perplexity",
+        main=report(
+            run_path("report", f"{REPORT_METRIC}.csv"),
+            caption=f"../report/{REPORT_METRIC}.rst",
+            category=REPORT_TITLE,
         ),
-        perplexity_md=report(
-            run_path("report", "perplexity.md"),
-            caption="../report/perplexity.rst",
-            category="Perplexity",
+        main_md=report(
+            run_path("report", f"{REPORT_METRIC}.md"),
+            caption=f"../report/{REPORT_METRIC}.rst",
+            category=REPORT_TITLE,
         ),
-        bits_per_byte=report(
-            run_path("report", "bits_per_byte.csv"),
-            caption="../report/bits_per_byte.rst",
-            category="Perplexity",
+        second=report(
+            run_path("report", f"{REPORT_SECOND}.csv"),
+            caption=f"../report/{REPORT_SECOND}.rst",
+            category=REPORT_TITLE,
         ),
         heatmap=report(
-            run_path("report", "perplexity.png"),
-            caption="../report/heatmap.rst",
-            category="Perplexity",
+            run_path("report", f"{REPORT_METRIC}.png"),
+            caption=f"../report/{HEATMAP_CAPTION}",
+            category=REPORT_TITLE,
         ),
         rounds=report(
             run_path("report", "rounds.png"),
             caption="../report/rounds.rst",
-            category="Perplexity",
+            category=REPORT_TITLE,
         ),
         training=report(
             run_path("report", "training.csv"),
@@ -66,7 +70,7 @@ rule report:
     container:
         CONTAINER
     params:
-        out=lambda wc, output: os.path.dirname(output.perplexity),
+        out=lambda wc, output: os.path.dirname(output.main),
         training=TRAINING_SUMMARIES,
         losses=LOSS_CURVES,
     shell:

@@ -24,11 +24,14 @@ rule tokenize:
         bos="--add-bos" if config["tokenize"]["add_bos"] else "--no-add-bos",
         template=lambda wc: config["sites"][wc.site]["prompt_template"],
         text_field=lambda wc: config["sites"][wc.site]["dataset"]["text_field"],
+        label_field=lambda wc: config["sites"][wc.site]["dataset"]["label_field"],
+        task=TASK,
     shell:
         "python -m fedtune.tokenize shard --raw {input.raw:q} --split {wildcards.split}"
         " --shard {wildcards.shard} --num-shards {params.shards} --tokenizer {input.tokenizer:q}"
         " --template {params.template:q} --text-field {params.text_field:q} --site {wildcards.site}"
         " --block-size {params.block_size} --mode {params.mode} {params.bos}"
+        " --task {params.task} --label-field {params.label_field:q}"
         " --num-proc {threads} --out {output:q} > {log:q} 2>&1"
 
 
