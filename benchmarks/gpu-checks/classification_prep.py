@@ -1,0 +1,42 @@
+"""Prepared here on CPU, checked on the GPU: a tiny DistilBERT classifier (WordPiece, [CLS]/[SEP]), the
+review data of one site, its classification shards and manifest."""
+
+import sys
+from pathlib import Path
+
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+from transformers import DistilBertConfig, DistilBertForMaskedLM, PreTrainedTokenizerFast
+
+from fedtune.demo_data import write_reviews
+from fedtune.download import download_data, download_model
+from fedtune.tokenize import tokenize_shard, write_manifest
+
+w = Path(sys.argv[1])
+write_reviews(w / "reviews")
+spec = {"source": "local", "data_files": {s: str(w / "reviews/alpha" / f"{s}.jsonl") for s in ("train", "test")}}
+download_data(spec, w / "raw", num_labels=3)
+
+texts = [line for line in (w / "reviews/alpha/train.jsonl").read_text().splitlines()]
+tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+tok.train_from_iterator(texts, trainers.WordPieceTrainer(vocab_size=400, special_tokens=specials))
+tok.post_processor = processors.TemplateProcessing(
+    single="[CLS] $A [SEP]", special_tokens=[("[CLS]", tok.token_to_id("[CLS]")), ("[SEP]", tok.token_to_id("[SEP]"))]
+)
+fast = PreTrainedTokenizerFast(
+    tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]"
+)
+config = DistilBertConfig(
+    vocab_size=len(fast), dim=64, hidden_dim=128, n_layers=2, n_heads=2, max_position_embeddings=64,
+    pad_token_id=fast.pad_token_id,
+)
+body = w / "body"
+DistilBertForMaskedLM(config).save_pretrained(body)
+fast.save_pretrained(body)
+download_model({"source": "hf", "name": str(body), "num_labels": 3}, w / "model", task="sequence-classification")
+shard = w / "data/train/shard-0"
+tokenize_shard(w / "raw", "train", 0, 1, w / "model", shard, block_size=32, task="sequence-classification")
+write_manifest([shard], w / "data/manifest.json")
+print("prepared", w)
