@@ -13,7 +13,10 @@ from fedtune.tokenize import tokenize_shard, write_manifest
 
 w = Path(sys.argv[1])
 write_reviews(w / "reviews")
-spec = {"source": "local", "data_files": {s: str(w / "reviews/alpha" / f"{s}.jsonl") for s in ("train", "test")}}
+spec = {
+    "source": "local",
+    "data_files": {s: str(w / "reviews/alpha" / f"{s}.jsonl") for s in ("train", "test")},
+}
 download_data(spec, w / "raw", num_labels=3)
 
 texts = [line for line in (w / "reviews/alpha/train.jsonl").read_text().splitlines()]
@@ -23,19 +26,32 @@ tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
 specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 tok.train_from_iterator(texts, trainers.WordPieceTrainer(vocab_size=400, special_tokens=specials))
 tok.post_processor = processors.TemplateProcessing(
-    single="[CLS] $A [SEP]", special_tokens=[("[CLS]", tok.token_to_id("[CLS]")), ("[SEP]", tok.token_to_id("[SEP]"))]
+    single="[CLS] $A [SEP]",
+    special_tokens=[("[CLS]", tok.token_to_id("[CLS]")), ("[SEP]", tok.token_to_id("[SEP]"))],
 )
 fast = PreTrainedTokenizerFast(
-    tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]"
+    tokenizer_object=tok,
+    pad_token="[PAD]",
+    unk_token="[UNK]",
+    cls_token="[CLS]",
+    sep_token="[SEP]",
+    mask_token="[MASK]",
 )
 config = DistilBertConfig(
-    vocab_size=len(fast), dim=64, hidden_dim=128, n_layers=2, n_heads=2, max_position_embeddings=64,
+    vocab_size=len(fast),
+    dim=64,
+    hidden_dim=128,
+    n_layers=2,
+    n_heads=2,
+    max_position_embeddings=64,
     pad_token_id=fast.pad_token_id,
 )
 body = w / "body"
 DistilBertForMaskedLM(config).save_pretrained(body)
 fast.save_pretrained(body)
-download_model({"source": "hf", "name": str(body), "num_labels": 3}, w / "model", task="sequence-classification")
+download_model(
+    {"source": "hf", "name": str(body), "num_labels": 3}, w / "model", task="sequence-classification"
+)
 shard = w / "data/train/shard-0"
 tokenize_shard(w / "raw", "train", 0, 1, w / "model", shard, block_size=32, task="sequence-classification")
 write_manifest([shard], w / "data/manifest.json")
