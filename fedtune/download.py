@@ -66,7 +66,10 @@ def load_splits(spec: dict, num_labels: int | None = None):
         names = {"train": "train", "test": "test" if "test" in spec["data_files"] else None}
         label = ", ".join(_files(spec["data_files"]["train"]))
     else:
-        loaded = load_dataset(spec["name"], spec["config"], revision=spec["revision"])
+        # datasets caches a local folder's configs by folder name and config name alone, so edited files
+        # would load as the old rows: a local folder is always read afresh (it costs one local read).
+        fresh = {"download_mode": "force_redownload"} if Path(spec["name"]).is_dir() else {}
+        loaded = load_dataset(spec["name"], spec["config"], revision=spec["revision"], **fresh)
         names = spec["splits"]
         label = spec["name"]
         for split in (names["train"], names["test"]):

@@ -151,14 +151,17 @@ def encode_examples(texts, tokenizer, template: str, block_size: int, batch_size
 
 
 def model_num_labels(model_dir: Path) -> int | None:
-    """Classes of a saved classifier (config.json id2label), None for other models."""
+    """Classes of a saved classifier, None for other models. Read through transformers: config.json
+    leaves num_labels out when it is the default (2)."""
+    from transformers import AutoConfig
+
     config_path = Path(model_dir) / "config.json"
     if not config_path.is_file():
         return None
     config = json.loads(config_path.read_text())
     if not any(a.endswith("ForSequenceClassification") for a in config.get("architectures") or []):
         return None
-    return len(config.get("id2label") or {}) or config.get("num_labels")
+    return AutoConfig.from_pretrained(model_dir).num_labels
 
 
 def blocks_dataset(

@@ -378,3 +378,21 @@ def test_classification_runs_end_to_end_on_cpu(tmp_path):
     merged = load_model(run / "round-1" / "aggregate" / "model", task=CLASSIFICATION)
     assert merged.config.num_labels == NUM_LABELS
     assert np.isfinite(merged.score.weight.detach().numpy()).all()
+
+
+def test_two_classes_the_default_transformers_leaves_out_of_config_json(tmp_path):
+    """config.json omits num_labels when it is 2 (transformers' default); tokenize must still see 2."""
+    from datasets import Dataset, DatasetDict
+
+    raw = tmp_path / "raw"
+    DatasetDict({"train": Dataset.from_dict({"text": corpus(20), "label": [0, 1] * 10})}).save_to_disk(raw)
+    spec = {
+        "source": "init",
+        "architecture": TINY_ARCHITECTURE,
+        "num_labels": 2,
+        "tokenizer": {"vocab_size": 300},
+    }
+    download_model(spec, tmp_path / "model", [{"path": str(raw)}], task=CLASSIFICATION)
+    assert "id2label" not in json.loads((tmp_path / "model" / "config.json").read_text())
+    counts = tokenize_shard(raw, "train", 0, 1, tmp_path / "model", tmp_path / "shard", task=CLASSIFICATION)
+    assert counts["num_labels"] == 2 and counts["label_counts"] == {"0": 10, "1": 10}

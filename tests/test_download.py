@@ -152,3 +152,21 @@ def test_pickle_only_model_is_refused_unless_allowed(tmp_path):
     with pytest.raises(ModelError, match="only pickle weights.*allow_pickle"):
         download_model({"source": "local", "path": str(folder)}, tmp_path / "base")
     assert not (tmp_path / "base").exists()
+
+
+def test_a_local_dataset_folder_is_read_afresh_after_its_files_change(tmp_path, monkeypatch):
+    """datasets caches a folder with `configs:` in its README by folder and config name only; the
+    download stage must not hand back the rows of an earlier version of the files."""
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "reviews"
+    (folder / "data").mkdir(parents=True)
+    (folder / "README.md").write_text(
+        "---\nconfigs:\n- config_name: tiny\n  data_files:\n  - split: train\n    path: data/train.jsonl\n"
+        "  - split: test\n    path: data/test.jsonl\n---\n"
+    )
+    spec = {"source": "hf", "name": str(folder), "config": "tiny"}
+    for version in ("old", "new"):
+        for split in ("train", "test"):
+            (folder / "data" / f"{split}.jsonl").write_text(f'{{"text": "{version} {split}"}}\n')
+        download_data(spec, tmp_path / version)
+        assert load_from_disk(str(tmp_path / version))["train"]["text"] == [f"{version} train"]

@@ -1,0 +1,192 @@
+"""Every example config in config/examples/ runs, scaled down, through the whole workflow on CPU: its twin
+(fedtune.twins) changes only sizes and locations, and the twin's run trains with the example's backend,
+sharding and ZeRO stage, beats the base model on every site's own test set, and reports."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from fnmatch import fnmatchcase
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fedtune.config import check_config
+from fedtune.twins import differences, make_twin
+
+from .workflow_harness import ROOT, snakemake
+
+EXAMPLES = sorted((ROOT / "config" / "examples").glob("*.yaml"))
+
+# What a twin may change, written out here rather than read from fedtune.twins, so that a twin cannot
+# quietly change what it runs (the backend, the sharding, the data's config or splits, the template...).
+RESOURCES = ["device", "launcher", "nodes", "processes_per_node", "gpus_per_node", "cpus_per_process",
+             "mem_mb", "runtime"]  # fmt: skip
+STEPS = ["micro_batch", "global_batch", "max_steps", "warmup_steps", "checkpoint_every", "lr", "precision"]
+ALLOWED = [
+    "run",
+    "cluster",
+    "model.name",
+    "model.architecture.*",
+    "model.tokenizer.vocab_size",
+    "sites.*.dataset.name",
+    "sites.*.dataset.max_documents",
+    "tokenize.block_size",
+    "tokenize.shards",
+    "evaluate.max_length",
+    "evaluate.stride",
+    "evaluate.batch_size",
+    "evaluate.max_documents",
+    "federation.remotes.*",
+    "sweep.values",
+    *(f"{where}.{key}" for where in ("train", "sites.*.train") for key in RESOURCES + STEPS),
+]
+
+# The class of each hub model, as its config.json says; its stand-in must be of the same class.
+HUB_CLASSES = {
+    "meta-llama/Llama-2-7b-hf": ("LlamaForCausalLM", "LlamaTokenizer"),
+    "facebook/opt-125m": ("OPTForCausalLM", "GPT2Tokenizer"),
+    "openai-community/gpt2": ("GPT2LMHeadModel", "GPT2Tokenizer"),
+    "distilbert/distilbert-base-uncased": ("DistilBertForMaskedLM", "DistilBertTokenizer"),
+}
+
+
+def load(path: Path) -> dict:
+    return yaml.safe_load(path.read_text(encoding="utf-8"))
+
+
+def merged_train(config: dict, site: str) -> dict:
+    return {**config.get("train", {}), **(config["sites"][site].get("train") or {})}
+
+
+def test_there_are_six_examples():
+    names = {path.stem for path in EXAMPLES}
+    assert {"llama2-it-cs", "opt125m-yelp", "gpt2-wikitext", "gpt2-wikitext-deepspeed", "gpt2-scratch",
+            "distilbert-imdb"} <= names, names  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=EXAMPLES, ids=lambda path: path.stem)
+def twin(request, tmp_path_factory):
+    """The example's twin, built and run to the report: (example, twin config, run folder, seconds)."""
+    example = request.param
+    workdir = tmp_path_factory.mktemp(example.stem)
+    started = time.monotonic()
+    make_twin(example, workdir / "assets", workdir / "config.yaml")
+    built = time.monotonic()
+    # Twice as many cores as the machine has: the rules ask for 2 threads per job, but with
+    # OMP_NUM_THREADS=1 (conftest) a job's long part (imports, loading) keeps one core busy, and the
+    # six twins then take minutes less. Snakemake's scheduling only; every job runs as it would.
+    result = snakemake(workdir, "--cores", str(2 * (os.cpu_count() or 1)), check=False)
+    finished = time.monotonic()
+    print(
+        f"\n{example.stem}: twin built in {built - started:.0f} s, workflow ran in {finished - built:.0f} s"
+    )
+    config = load(workdir / "config.yaml")
+    return {
+        "example": load(example),
+        "twin": config,
+        "run": workdir / "results" / config["run"],
+        "workdir": workdir,
+        "result": result,
+    }
+
+
+def test_twin_changes_only_sizes_and_locations(twin):
+    example, config = twin["example"], twin["twin"]
+    check_config(load(twin["workdir"] / "config.yaml"), source="twin")
+    changed = differences(example, config)
+    refused = [path for path in changed if not any(fnmatchcase(path, pattern) for pattern in ALLOWED)]
+    assert not refused, {path: changed[path] for path in refused}
+    assert config["model"].get("architecture", {}).get("model_type") == example["model"].get(
+        "architecture", {}
+    ).get("model_type")
+    for site in example["sites"]:
+        before, after = merged_train(example, site), merged_train(config, site)
+        for key in ("backend", "sharding", "zero_stage", "offload_optimizer", "offload_params"):
+            assert after.get(key) == before.get(key), (site, key)
+        # The one precision change: DeepSpeed has no fp16 on CPU.
+        precision = before.get("precision", "fp32")
+        expected = "fp32" if (before.get("backend"), precision) == ("deepspeed", "fp16") else precision
+        assert after.get("precision", "fp32") == expected, site
+        assert after["device"] == "cpu" and after["gpus_per_node"] == 0 and after["launcher"] == "local"
+    assert config["cluster"] is None and not config.get("federation", {}).get("remotes")
+    if example.get("sweep"):
+        assert config["sweep"]["values"] == [v for v in example["sweep"]["values"] if v <= 2]
+    # Every change is listed in the twin's header comment, with its reason.
+    text = (twin["workdir"] / "config.yaml").read_text()
+    comments = "\n".join(line for line in text.splitlines() if line.startswith("#"))
+    for path in changed:
+        parts = path.split(".")
+        # A dropped mapping (federation.remotes) is listed once, under its own path.
+        listed = {".".join(parts[:k]) for k in range(1, len(parts) + 1)}
+        assert any(f"#   {key}: " in comments for key in listed), (path, comments)
+
+
+def test_stand_ins_have_the_hub_models_class_and_the_hub_datasets_layout(twin):
+    from datasets import load_dataset
+
+    example, config = twin["example"], twin["twin"]
+    if example["model"]["source"] == "hf":
+        folder = Path(config["model"]["name"])
+        architecture, tokenizer = HUB_CLASSES[example["model"]["name"]]
+        assert json.loads((folder / "config.json").read_text())["architectures"] == [architecture]
+        assert json.loads((folder / "tokenizer_config.json").read_text())["tokenizer_class"] == tokenizer
+        assert list(folder.glob("*.safetensors")) and not list(folder.glob("*.bin"))
+    for name, site in config["sites"].items():
+        dataset = site["dataset"]
+        loaded = load_dataset(dataset["name"], dataset.get("config"))
+        for split in dataset["splits"].values():
+            assert split in loaded, (name, split, list(loaded))
+            assert dataset["text_field"] in loaded[split].column_names
+            if config.get("task") == "sequence-classification":
+                labels = loaded[split][dataset.get("label_field", "label")]
+                assert set(labels) == set(range(config["model"]["num_labels"])), (name, split)
+
+
+def test_twin_runs_the_whole_workflow(twin):
+    result = twin["result"]
+    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    example, config, run = twin["example"], twin["twin"], twin["run"]
+    classify = config.get("task") == "sequence-classification"
+    metric = "accuracy" if classify else "perplexity"
+    for site in config["sites"]:
+        model = run / "round-1" / site / "model"
+        assert list(model.glob("*.safetensors")), model
+        summary = json.loads((model / "training.json").read_text())
+        train = merged_train(example, site)
+        backend = train.get("backend", "fsdp")
+        assert summary["backend"] == backend
+        if backend == "fsdp":
+            assert summary["sharding"] == train.get("sharding", "full")
+        else:
+            assert summary["sharding"] == f"zero{train.get('zero_stage', 2)}"
+        assert summary["world_size"] == 2 and summary["device"] == "cpu"
+        base = json.loads((run / "eval" / "base" / f"{site}.json").read_text())[metric]
+        tuned = json.loads((run / "round-1" / "eval" / site / f"{site}.json").read_text())[metric]
+        if classify:
+            assert tuned > base and tuned > 1 / config["model"]["num_labels"], (site, base, tuned)
+        else:
+            assert tuned < 0.5 * base, (site, base, tuned)
+    assert (run / "report" / f"{metric}.csv").stat().st_size > 0
+    assert (run / "report" / f"{metric}.md").stat().st_size > 0
+    if config.get("sweep"):
+        assert (run / "report" / "sweep.csv").stat().st_size > 0
+
+
+def test_cli_names_the_key_it_cannot_scale_down(tmp_path):
+    example = load(ROOT / "config" / "examples" / "gpt2-wikitext.yaml")
+    example["model"]["name"] = "someone/unknown-model"
+    path = tmp_path / "example.yaml"
+    path.write_text(yaml.safe_dump(example))
+    result = subprocess.run(
+        [sys.executable, "-m", "fedtune.twins", str(path), "--assets", str(tmp_path / "a"), "--out",
+         str(tmp_path / "twin.yaml")],
+        capture_output=True, text=True, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "model.name: 'someone/unknown-model' has no tiny stand-in" in result.stderr, result.stderr
+    assert not (tmp_path / "twin.yaml").exists()
