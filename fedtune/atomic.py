@@ -48,13 +48,14 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
         raise
 
 
-def write_text(path: str | Path, text: str) -> None:
+def write_bytes(path: str | Path, data: bytes) -> None:
+    """Write a file so that readers see the old content or the new one, never a part."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)
@@ -63,6 +64,10 @@ def write_text(path: str | Path, text: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def write_text(path: str | Path, text: str) -> None:
+    write_bytes(path, text.encode("utf-8"))
 
 
 def write_json(path: str | Path, data) -> None:

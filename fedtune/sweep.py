@@ -23,17 +23,15 @@ Exit codes: 0 done; 2 bad input (the message names the file).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import io
 import json
-import os
 import re
 import sys
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from fedtune import offline
+from fedtune.atomic import write_bytes, write_text
 from fedtune.config import ConfigError, schema, site_train_options, validate_section
 
 DEVICES = "devices"
@@ -274,23 +272,6 @@ def sweep_table(folders: Sequence[str | Path], axis: str):
 # Figure
 
 
-def _write_bytes(path: Path, data: bytes) -> None:
-    """fedtune.atomic.write_text for bytes: a reader never sees half a picture."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
 def sweep_figure(table, axis: str, path: Path) -> None:
     import matplotlib
 
@@ -322,7 +303,7 @@ def sweep_figure(table, axis: str, path: Path) -> None:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=120)
     plt.close(fig)
-    _write_bytes(path, buffer.getvalue())
+    write_bytes(path, buffer.getvalue())
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -339,7 +320,6 @@ DIGITS = {
 
 
 def write_report(out_dir: str | Path, folders: Sequence[str | Path], axis: str) -> dict[str, Path]:
-    from fedtune.atomic import write_text
     from fedtune.report import markdown
 
     table = sweep_table(folders, axis)

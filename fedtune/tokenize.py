@@ -50,6 +50,26 @@ def model_max_positions(model_dir: Path) -> int | None:
     return None
 
 
+def templated_batches(texts, template: str, batch_size: int, progress=None):
+    """The documents with the template applied, in lists of batch_size (the tokenizer's batch)."""
+    batch: list[str] = []
+    for text in texts:
+        batch.append(template.format(text=text))
+        if len(batch) == batch_size:
+            yield batch
+            if progress is not None:
+                progress.update(len(batch))
+            batch = []
+    if batch:
+        yield batch
+        if progress is not None:
+            progress.update(len(batch))
+
+
+def utf8_bytes(texts: list[str]) -> int:
+    return sum(len(t.encode("utf-8")) for t in texts)
+
+
 def encode_documents(texts, tokenizer, template: str, add_bos: bool, batch_size: int = 2048, progress=None):
     """Token ids of every templated document with BOS/EOS placed, as (flat ids, lengths, bytes)."""
     backend = tokenizer.backend_tokenizer
@@ -58,25 +78,12 @@ def encode_documents(texts, tokenizer, template: str, add_bos: bool, batch_size:
     if eos is None:
         raise TokenizeError("the tokenizer has no EOS token, which separates documents")
     pieces, lengths, n_bytes = [], [], 0
-    batch: list[str] = []
-
-    def flush():
-        nonlocal n_bytes
+    for batch in templated_batches(texts, template, batch_size, progress):
         for encoding in backend.encode_batch_fast(batch, add_special_tokens=False):
             ids = prefix + encoding.ids + [eos]
             pieces.append(np.asarray(ids, dtype=np.int32))
             lengths.append(len(ids))
-        n_bytes += sum(len(t.encode("utf-8")) for t in batch)
-        if progress is not None:
-            progress.update(len(batch))
-        batch.clear()
-
-    for text in texts:
-        batch.append(template.format(text=text))
-        if len(batch) == batch_size:
-            flush()
-    if batch:
-        flush()
+        n_bytes += utf8_bytes(batch)
     flat = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
     return flat, np.asarray(lengths, dtype=np.int64), n_bytes
 
@@ -122,10 +129,7 @@ def encode_examples(texts, tokenizer, template: str, block_size: int, batch_size
     if pad_id is None:
         raise TokenizeError("the tokenizer has neither a padding nor an EOS token to pad rows with")
     rows, lengths, dropped, truncated, n_bytes = [], [], 0, 0, 0
-    batch: list[str] = []
-
-    def flush():
-        nonlocal dropped, truncated, n_bytes
+    for batch in templated_batches(texts, template, batch_size, progress):
         for encoding in backend.encode_batch_fast(batch, add_special_tokens=True):
             row = np.full(block_size, pad_id, dtype=np.int32)
             row[: len(encoding.ids)] = encoding.ids
@@ -135,17 +139,7 @@ def encode_examples(texts, tokenizer, template: str, block_size: int, batch_size
                 truncated += 1
                 # Each overflow piece carries its own special tokens, which the text never had.
                 dropped += sum(len(piece.ids) - specials for piece in encoding.overflowing)
-        n_bytes += sum(len(t.encode("utf-8")) for t in batch)
-        if progress is not None:
-            progress.update(len(batch))
-        batch.clear()
-
-    for text in texts:
-        batch.append(template.format(text=text))
-        if len(batch) == batch_size:
-            flush()
-    if batch:
-        flush()
+        n_bytes += utf8_bytes(batch)
     matrix = np.stack(rows) if rows else np.zeros((0, block_size), dtype=np.int32)
     return matrix, np.asarray(lengths, dtype=np.int32), dropped, truncated, n_bytes
 
