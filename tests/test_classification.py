@@ -6,6 +6,7 @@ the whole workflow on CPU."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -360,7 +361,8 @@ def test_classification_runs_end_to_end_on_cpu(tmp_path):
         },
     }
     write_config(tmp_path, config)
-    snakemake(tmp_path)
+    # Jobs keep about one core busy each (OMP_NUM_THREADS=1): twice the cores schedules them sooner.
+    snakemake(tmp_path, "--cores", str(2 * (os.cpu_count() or 1)))
     run = tmp_path / "results" / "reviews"
 
     def accuracy(path: Path) -> float:
