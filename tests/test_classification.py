@@ -123,6 +123,18 @@ def test_hf_body_gets_a_seeded_head_and_a_padding_token(tiny_model_dir, tmp_path
     assert torch.equal(load_model(tmp_path / "a", task=CLASSIFICATION).model.embed_tokens.weight, original)
 
 
+def test_a_local_model_folder_becomes_a_classifier_with_its_head_saved(tiny_model_dir, tmp_path):
+    """source local links a language model's files as they are; a classifier's head must be saved with
+    the body, so the folder is loaded and saved instead, and the source folder is left untouched."""
+    before = sorted(p.name for p in tiny_model_dir.iterdir())
+    spec = {"source": "local", "path": str(tiny_model_dir), "num_labels": NUM_LABELS}
+    download_model(spec, tmp_path / "m", task=CLASSIFICATION)
+    model = load_model(tmp_path / "m", task=CLASSIFICATION)
+    assert model.score.weight.shape[0] == NUM_LABELS
+    assert sorted(p.name for p in tiny_model_dir.iterdir()) == before
+    assert model_task(tiny_model_dir) == "causal-lm"
+
+
 def test_classification_needs_num_labels(tiny_model_dir, tmp_path):
     from fedtune.config import ConfigError
 
