@@ -271,7 +271,8 @@ def evaluate(
     from fedtune.models import load_causal_lm, load_tokenizer
 
     started = time.perf_counter()
-    windows(max_length, max_length, stride)  # option checks, before loading anything
+    if task != "sequence-classification":
+        windows(max_length, max_length, stride)  # option checks, before loading anything
     if batch_size < 1:
         raise EvaluateError(f"--batch-size: {batch_size} must be at least 1")
     try:

@@ -246,7 +246,8 @@ def test_evaluate_scores_predictions_with_padding_masked(classifier_dir, tmp_pat
     texts = corpus(24)
     labels = [i % NUM_LABELS for i in range(24)]
     DatasetDict({"test": Dataset.from_dict({"text": texts, "label": labels})}).save_to_disk(tmp_path / "raw")
-    common = dict(task=CLASSIFICATION, max_length=24, device="cpu", template="{text}")
+    # stride belongs to perplexity windows: a classifier ignores it, even one above max_length.
+    common = dict(task=CLASSIFICATION, max_length=24, stride=512, device="cpu", template="{text}")
     batched = evaluate(classifier_dir, tmp_path / "raw", batch_size=8, **common)
     single = evaluate(classifier_dir, tmp_path / "raw", batch_size=1, **common)
     model = load_model(classifier_dir, task=CLASSIFICATION).eval()
