@@ -40,21 +40,31 @@ def decoder_layer_classes(model) -> set[str]:
     return names
 
 
-def model_inputs(input_ids, labels=None, attention_mask=None) -> dict:
-    """Keyword arguments of a forward pass. A classifier's rows come with their attention mask (its
-    padding must not be attended to); a language model runs without a KV cache, which training never reuses."""
-    inputs = {"input_ids": input_ids}
+def model_inputs(device, input_ids, labels=None, attention_mask=None) -> dict:
+    """Keyword arguments of a forward pass, on `device`. A classifier's rows come with their attention
+    mask (its padding must not be attended to); a language model runs without a KV cache, which training
+    never reuses."""
+    inputs = {"input_ids": input_ids.to(device)}
     if labels is not None:
-        inputs["labels"] = labels
+        inputs["labels"] = labels.to(device)
     if attention_mask is not None:
-        inputs["attention_mask"] = attention_mask
+        inputs["attention_mask"] = attention_mask.to(device)
     else:
         inputs["use_cache"] = False
     return inputs
 
 
-def _micro_loss(model, input_ids, labels, trained: int, attention_mask=None):
-    output = model(**model_inputs(input_ids, labels, attention_mask))
+@torch.no_grad()
+def probe_logits(module, device, input_ids, attention_mask=None) -> torch.Tensor:
+    """fp32 logits on the CPU of the (sharded) module in eval mode, for probes."""
+    module.eval()
+    logits = module(**model_inputs(device, input_ids, attention_mask=attention_mask)).logits
+    module.train()
+    return logits.float().cpu()
+
+
+def _micro_loss(model, inputs: dict, trained: int):
+    output = model(**inputs)
     if trained == 0:
         # A micro batch with no target token has a 0/0 loss; it still has to run backward so that
         # the collectives of every rank line up.
@@ -137,10 +147,8 @@ class FSDPBackend:
         # Gradients are reduced across ranks only once per optimizer step, after the last micro batch.
         self.model.set_requires_gradient_sync(last)
         trained = trained_tokens(labels)
-        input_ids, labels = input_ids.to(self.job.device), labels.to(self.job.device)
-        if attention_mask is not None:
-            attention_mask = attention_mask.to(self.job.device)
-        loss = _micro_loss(self.model, input_ids, labels, trained, attention_mask)
+        inputs = model_inputs(self.job.device, input_ids, labels, attention_mask)
+        loss = _micro_loss(self.model, inputs, trained)
         scale = weight / self.accumulation * (self.scaler.scale if self.scaler else 1.0)
         (loss * scale).backward()
         return loss.detach().float()
@@ -195,16 +203,8 @@ class FSDPBackend:
         state = get_model_state_dict(self.model, options=options)
         return state if self.job.is_main else None
 
-    @torch.no_grad()
     def forward(self, input_ids, attention_mask=None) -> torch.Tensor:
-        self.model.eval()
-        if attention_mask is not None:
-            attention_mask = attention_mask.to(self.job.device)
-        logits = self.model(
-            **model_inputs(input_ids.to(self.job.device), attention_mask=attention_mask)
-        ).logits
-        self.model.train()
-        return logits.float().cpu()
+        return probe_logits(self.model, self.job.device, input_ids, attention_mask)
 
 
 class DDPBackend(FSDPBackend):
@@ -236,14 +236,12 @@ class DDPBackend(FSDPBackend):
         # Gradients are reduced across ranks only once per optimizer step, after the last micro batch.
         sync = contextlib.nullcontext() if last else self.model.no_sync()
         trained = trained_tokens(labels)
-        input_ids, labels = input_ids.to(self.job.device), labels.to(self.job.device)
-        if attention_mask is not None:
-            attention_mask = attention_mask.to(self.job.device)
+        inputs = model_inputs(self.job.device, input_ids, labels, attention_mask)
         with sync:
             with torch.autocast(
                 self.job.device.type, dtype=self.low or torch.float32, enabled=bool(self.low)
             ):
-                loss = _micro_loss(self.model, input_ids, labels, trained, attention_mask)
+                loss = _micro_loss(self.model, inputs, trained)
             scale = weight / self.accumulation * (self.scaler.scale if self.scaler else 1.0)
             (loss.float() * scale).backward()
         return loss.detach().float()
@@ -314,10 +312,8 @@ class DeepSpeedBackend:
         self, input_ids, labels, weight: float, last: bool, attention_mask=None
     ) -> torch.Tensor:
         trained = trained_tokens(labels)
-        input_ids, labels = input_ids.to(self.job.device), labels.to(self.job.device)
-        if attention_mask is not None:
-            attention_mask = attention_mask.to(self.job.device)
-        loss = _micro_loss(self.engine, input_ids, labels, trained, attention_mask)
+        inputs = model_inputs(self.job.device, input_ids, labels, attention_mask)
+        loss = _micro_loss(self.engine, inputs, trained)
         # The engine divides by the accumulation steps and applies the fp16 loss scale itself.
         self.engine.backward(loss * weight)
         if not last:
@@ -359,16 +355,8 @@ class DeepSpeedBackend:
             return None
         return {name: tensor.detach().cpu() for name, tensor in state.items()}
 
-    @torch.no_grad()
     def forward(self, input_ids, attention_mask=None) -> torch.Tensor:
-        self.engine.eval()
-        if attention_mask is not None:
-            attention_mask = attention_mask.to(self.job.device)
-        logits = self.engine(
-            **model_inputs(input_ids.to(self.job.device), attention_mask=attention_mask)
-        ).logits
-        self.engine.train()
-        return logits.float().cpu()
+        return probe_logits(self.engine, self.job.device, input_ids, attention_mask)
 
 
 def build(model, options: dict, job: Job, accumulation: int):

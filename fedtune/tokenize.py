@@ -149,11 +149,9 @@ def model_num_labels(model_dir: Path) -> int | None:
     leaves num_labels out when it is the default (2)."""
     from transformers import AutoConfig
 
-    config_path = Path(model_dir) / "config.json"
-    if not config_path.is_file():
-        return None
-    config = json.loads(config_path.read_text())
-    if not any(a.endswith("ForSequenceClassification") for a in config.get("architectures") or []):
+    from fedtune.models import CLASSIFICATION, model_task
+
+    if not (Path(model_dir) / "config.json").is_file() or model_task(model_dir) != CLASSIFICATION:
         return None
     return AutoConfig.from_pretrained(model_dir).num_labels
 
