@@ -6,8 +6,8 @@ same for both:
     backend.step(lr)                                           one optimizer step; returns the grad norm
     backend.save(folder) / backend.load(folder)                sharded checkpoint (collective)
     backend.full_state_dict()                                  gathered weights, on rank 0 (collective)
-    backend.forward(input_ids, attention_mask)                 logits, for probes
 
+(the `Backend` protocol below).
 Every rank holds the same full model when a backend is built (loaded from the same folder); the
 backend shards it. Master weights and optimizer state stay in fp32 whatever the precision."""
 
@@ -15,13 +15,35 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from fedtune.blocks import trained_tokens
+from fedtune.config import TrainOptions, deep_merge, torch_dtype
 from fedtune.distributed import Job
 
 ADAM_EPS = 1e-8
+
+
+class Backend(Protocol):
+    """What the training loop asks of a backend; every method but the first two is collective."""
+
+    def forward_backward(
+        self, input_ids, labels, weight: float, last: bool, attention_mask=None
+    ) -> torch.Tensor: ...
+
+    def step(self, lr: float) -> float: ...
+
+    def save(self, folder: Path) -> None: ...
+
+    def load(self, folder: Path) -> None: ...
+
+    def extra_state(self) -> dict: ...
+
+    def load_extra_state(self, state: dict) -> None: ...
+
+    def full_state_dict(self) -> dict | None: ...
 
 
 def decoder_layer_classes(model) -> set[str]:
@@ -54,15 +76,6 @@ def model_inputs(device, input_ids, labels=None, attention_mask=None) -> dict:
     return inputs
 
 
-@torch.no_grad()
-def probe_logits(module, device, input_ids, attention_mask=None) -> torch.Tensor:
-    """fp32 logits on the CPU of the (sharded) module in eval mode, for probes."""
-    module.eval()
-    logits = module(**model_inputs(device, input_ids, attention_mask=attention_mask)).logits
-    module.train()
-    return logits.float().cpu()
-
-
 def _micro_loss(model, inputs: dict, trained: int):
     output = model(**inputs)
     if trained == 0:
@@ -72,12 +85,12 @@ def _micro_loss(model, inputs: dict, trained: int):
     return output.loss
 
 
-def adamw(model, options: dict) -> torch.optim.AdamW:
+def adamw(model, options: TrainOptions) -> torch.optim.AdamW:
     return torch.optim.AdamW(
         model.parameters(),
-        lr=options["lr"],
-        betas=tuple(options["betas"]),
-        weight_decay=options["weight_decay"],
+        lr=options.lr,
+        betas=options.betas,
+        weight_decay=options.weight_decay,
         eps=ADAM_EPS,
         # torch leaves foreach off on CPU: one (DTensor) dispatch per parameter and op otherwise.
         foreach=True,
@@ -110,48 +123,19 @@ class LossScaler:
         self.scale, self.good_steps = state["scale"], state["good_steps"]
 
 
-class FSDPBackend:
-    name = "fsdp"
+class _TorchBackend:
+    """What FSDP2 and DDP share: a torch AdamW over the wrapped model, the step with clipping and fp16
+    loss scaling, and checkpoints and exports through torch.distributed.checkpoint's state dicts."""
 
-    def __init__(self, model, options: dict, job: Job, accumulation: int):
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        self.job, self.accumulation = job, accumulation
-        self.grad_clip = options["grad_clip"]
-        sharding = options["sharding"]
-        if sharding == "full":
-            mesh = init_device_mesh(job.device.type, (job.world_size,), mesh_dim_names=("shard",))
-        else:
-            # HSDP: parameters sharded over the second dimension, replicated (all-reduced) over the first.
-            shape = (job.nodes, job.local_world_size)
-            mesh = init_device_mesh(job.device.type, shape, mesh_dim_names=("replicate", "shard"))
-        low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(options["precision"])
-        policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else None
-        reshard = sharding in ("full", "hybrid")
-        layer_classes = decoder_layer_classes(model)
-        kwargs = {"mesh": mesh, "reshard_after_forward": reshard}
-        if policy is not None:
-            kwargs["mp_policy"] = policy
-        for module in model.modules():
-            if type(module).__name__ in layer_classes:
-                fully_shard(module, **kwargs)
-        fully_shard(model, **kwargs)
+    def __init__(self, model: torch.nn.Module, options: TrainOptions, job: Job, accumulation: int):
         self.model = model
+        self.job, self.accumulation = job, accumulation
+        self.grad_clip = options.grad_clip
         self.optimizer = adamw(model, options)
-        self.scaler = LossScaler() if options["precision"] == "fp16" else None
+        self.scaler = LossScaler() if options.precision == "fp16" else None
 
-    def forward_backward(
-        self, input_ids, labels, weight: float, last: bool, attention_mask=None
-    ) -> torch.Tensor:
-        # Gradients are reduced across ranks only once per optimizer step, after the last micro batch.
-        self.model.set_requires_gradient_sync(last)
-        trained = trained_tokens(labels)
-        inputs = model_inputs(self.job.device, input_ids, labels, attention_mask)
-        loss = _micro_loss(self.model, inputs, trained)
-        scale = weight / self.accumulation * (self.scaler.scale if self.scaler else 1.0)
-        (loss * scale).backward()
-        return loss.detach().float()
+    def _scaled(self, weight: float) -> float:
+        return weight / self.accumulation * (self.scaler.scale if self.scaler else 1.0)
 
     def step(self, lr: float) -> float:
         for group in self.optimizer.param_groups:
@@ -203,30 +187,62 @@ class FSDPBackend:
         state = get_model_state_dict(self.model, options=options)
         return state if self.job.is_main else None
 
-    def forward(self, input_ids, attention_mask=None) -> torch.Tensor:
-        return probe_logits(self.model, self.job.device, input_ids, attention_mask)
+
+def _low_precision(options: TrainOptions):
+    return torch_dtype(options.low_precision) if options.low_precision else None
 
 
-class DDPBackend(FSDPBackend):
+class FSDPBackend(_TorchBackend):
+    """FSDP2 (fully_shard) per decoder layer and over the whole model: full or hybrid sharding."""
+
+    def __init__(self, model, options: TrainOptions, job: Job, accumulation: int):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        sharding = options.sharding
+        if sharding == "full":
+            mesh = init_device_mesh(job.device.type, (job.world_size,), mesh_dim_names=("shard",))
+        else:
+            # HSDP: parameters sharded over the second dimension, replicated (all-reduced) over the first.
+            shape = (job.nodes, job.local_world_size)
+            mesh = init_device_mesh(job.device.type, shape, mesh_dim_names=("replicate", "shard"))
+        low = _low_precision(options)
+        kwargs = {"mesh": mesh, "reshard_after_forward": sharding in ("full", "hybrid")}
+        if low is not None:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+        layer_classes = decoder_layer_classes(model)
+        for module in model.modules():
+            if type(module).__name__ in layer_classes:
+                fully_shard(module, **kwargs)
+        fully_shard(model, **kwargs)
+        super().__init__(model, options, job, accumulation)
+
+    def forward_backward(
+        self, input_ids, labels, weight: float, last: bool, attention_mask=None
+    ) -> torch.Tensor:
+        # Gradients are reduced across ranks only once per optimizer step, after the last micro batch.
+        self.model.set_requires_gradient_sync(last)
+        trained = trained_tokens(labels)
+        inputs = model_inputs(self.job.device, input_ids, labels, attention_mask)
+        loss = _micro_loss(self.model, inputs, trained)
+        (loss * self._scaled(weight)).backward()
+        return loss.detach().float()
+
+
+class DDPBackend(_TorchBackend):
     """sharding none: plain data parallelism with torch DDP. FSDP2 over groups of one would work too,
     but it all-reduces each layer's gradients with a blocking call, which on CPU (no streams) stalls
-    backward at every layer; DDP's bucketed all-reduce overlaps it (benchmarks/README.md, Training).
-    Checkpoints and the exported state go through the same torch.distributed.checkpoint calls."""
+    backward at every layer; DDP's bucketed all-reduce overlaps it (benchmarks/README.md, Training)."""
 
-    name = "fsdp"
-
-    def __init__(self, model, options: dict, job: Job, accumulation: int):
+    def __init__(self, model, options: TrainOptions, job: Job, accumulation: int):
         from torch.nn.parallel import DistributedDataParallel
 
-        self.job, self.accumulation = job, accumulation
-        self.grad_clip = options["grad_clip"]
         model.to(job.device)
         device_ids = [job.device.index] if job.device.type == "cuda" else None
-        self.model = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+        wrapped = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
         # FSDP casts parameters for mixed precision; DDP keeps fp32 parameters, so autocast does it.
-        self.low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(options["precision"])
-        self.optimizer = adamw(model, options)
-        self.scaler = LossScaler() if options["precision"] == "fp16" else None
+        self.low = _low_precision(options)
+        super().__init__(wrapped, options, job, accumulation)
 
     def forward_backward(
         self, input_ids, labels, weight: float, last: bool, attention_mask=None
@@ -242,54 +258,51 @@ class DDPBackend(FSDPBackend):
                 self.job.device.type, dtype=self.low or torch.float32, enabled=bool(self.low)
             ):
                 loss = _micro_loss(self.model, inputs, trained)
-            scale = weight / self.accumulation * (self.scaler.scale if self.scaler else 1.0)
-            (loss.float() * scale).backward()
+            (loss.float() * self._scaled(weight)).backward()
         return loss.detach().float()
 
 
-def deepspeed_config(options: dict, accumulation: int, device: torch.device) -> dict:
+def deepspeed_config(options: TrainOptions, accumulation: int, device: torch.device) -> dict:
     """The DeepSpeed JSON generated from the train options, with deepspeed_extra merged over it."""
-    from fedtune.config import deep_merge
 
-    zero = {"stage": options["zero_stage"]}
+    zero = {"stage": options.zero_stage}
     pin = device.type == "cuda"
-    if options["offload_optimizer"]:
+    if options.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
-    if options["offload_params"]:
+    if options.offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
     config = {
-        "train_batch_size": options["global_batch"],
-        "train_micro_batch_size_per_gpu": options["micro_batch"],
+        "train_batch_size": options.global_batch,
+        "train_micro_batch_size_per_gpu": options.micro_batch,
         "gradient_accumulation_steps": accumulation,
-        "gradient_clipping": options["grad_clip"],
+        "gradient_clipping": options.grad_clip,
         "zero_optimization": zero,
         # fedtune prints its own progress; DeepSpeed's per-step lines would drown it.
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
-    if options["precision"] == "bf16":
+    if options.precision == "bf16":
         config["bf16"] = {"enabled": True}
-    elif options["precision"] == "fp16":
+    elif options.precision == "fp16":
         config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
-    if options["offload_optimizer"]:
+    if options.offload_optimizer:
         # Offloaded optimizer states need DeepSpeed's CPU Adam, which it builds from this block.
         config["optimizer"] = {
             "type": "AdamW",
             "params": {
-                "lr": options["lr"],
-                "betas": list(options["betas"]),
+                "lr": options.lr,
+                "betas": list(options.betas),
                 "eps": ADAM_EPS,
-                "weight_decay": options["weight_decay"],
+                "weight_decay": options.weight_decay,
             },
         }
-    return deep_merge(config, options["deepspeed_extra"])
+    return deep_merge(config, options.deepspeed_extra)
 
 
 class DeepSpeedBackend:
-    name = "deepspeed"
     TAG = "deepspeed"
 
-    def __init__(self, model, options: dict, job: Job, accumulation: int):
+    def __init__(self, model, options: TrainOptions, job: Job, accumulation: int):
         import deepspeed
 
         self.job = job
@@ -299,9 +312,9 @@ class DeepSpeedBackend:
             # torch's AdamW, the optimizer of the FSDP backend: both backends then compute the same steps.
             optimizer = torch.optim.AdamW(
                 model.parameters(),
-                lr=options["lr"],
-                betas=tuple(options["betas"]),
-                weight_decay=options["weight_decay"],
+                lr=options.lr,
+                betas=options.betas,
+                weight_decay=options.weight_decay,
                 eps=ADAM_EPS,
             )
         self.engine, *_ = deepspeed.initialize(
@@ -355,15 +368,12 @@ class DeepSpeedBackend:
             return None
         return {name: tensor.detach().cpu() for name, tensor in state.items()}
 
-    def forward(self, input_ids, attention_mask=None) -> torch.Tensor:
-        return probe_logits(self.engine, self.job.device, input_ids, attention_mask)
 
-
-def build(model, options: dict, job: Job, accumulation: int):
-    if options["gradient_checkpointing"]:
+def build(model, options: TrainOptions, job: Job, accumulation: int):
+    if options.gradient_checkpointing:
         # Non-reentrant checkpointing is the variant that works under FSDP2 and ZeRO-3 hooks.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if options["backend"] == "fsdp":
-        cls = DDPBackend if options["sharding"] == "none" else FSDPBackend
+    if options.backend == "fsdp":
+        cls = DDPBackend if options.sharding == "none" else FSDPBackend
         return cls(model, options, job, accumulation)
     return DeepSpeedBackend(model, options, job, accumulation)

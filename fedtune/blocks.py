@@ -13,10 +13,12 @@ from pathlib import Path
 
 import numpy as np
 
+from fedtune.config import UserError, check_global_batch
+
 LABEL_IGNORE = -100
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """Training data that cannot be used: the message names the file or the option to fix."""
 
 
@@ -151,14 +153,7 @@ class BlockOrder:
     seed: int
 
     def __post_init__(self):
-        unit = self.micro_batch * self.world_size
-        if self.global_batch % unit:
-            below = max(unit, self.global_batch // unit * unit)
-            raise DataError(
-                f"global_batch ({self.global_batch}) must be a multiple of micro_batch ({self.micro_batch}) "
-                f"x world size ({self.world_size}) = {unit}, so that gradient accumulation steps are whole; "
-                f"use global_batch {below} or {below + unit}, or change micro_batch"
-            )
+        check_global_batch(self.global_batch, self.micro_batch, self.world_size, "global_batch")
         if self.steps_per_epoch == 0:
             raise DataError(
                 f"global_batch ({self.global_batch}) is larger than the {self.num_blocks} training blocks "

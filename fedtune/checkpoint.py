@@ -23,13 +23,14 @@ import torch
 
 from fedtune import distributed
 from fedtune.atomic import write_json
+from fedtune.config import UserError
 
 NAME = re.compile(r"^step-(\d{8})$")
 TRAINER_STATE = "trainer.json"
 LOSS_LOG = "loss.csv"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be resumed: the message names the folder and what to do."""
 
 

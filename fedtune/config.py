@@ -1,13 +1,30 @@
-"""Loading and validating a fedtune config: the JSON schemas in workflow/schemas are the single source
-of truth for keys, types and defaults; this module adds the checks a schema cannot express (files that
-must exist, a template that must format) and the merging of per-site train overrides."""
+"""The one place where settings become objects. The JSON schemas in workflow/schemas are the single
+source of truth for keys, types and defaults; this module validates a config against them, adds every
+rule a schema cannot express (cross-key checks, a template that must format, files that must exist, a
+block that must fit the model, sweep points), and hands the stages typed, frozen objects:
+
+    RunConfig     the whole validated config: run folder, task, model, sites, federation, sweep
+    Site          one site: its dataset, template, cluster and its TrainOptions (overrides merged)
+    TrainOptions  the train section (train.schema.yaml) after every cross-key rule
+    EvaluateOptions, SweepPoint
+
+Each options object has one JSON form (`to_json()` / `from_json()`), the rule -> CLI boundary: a rule
+passes `--options '<json>'`, the CLI turns it back into the same object through the same checks.
+
+This module imports nothing from fedtune (every stage imports it) and no torch at import time, so
+Snakemake's start-up stays fast."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
+import json
+import os
+import re
 import string
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +36,41 @@ from referencing.jsonschema import DRAFT202012
 SCHEMA_DIR = Path(__file__).resolve().parent.parent / "workflow" / "schemas"
 MAIN_SCHEMA = "config.schema.yaml"
 
+# The two tasks (config `task`); every stage names them through these.
+CAUSAL_LM = "causal-lm"
+CLASSIFICATION = "sequence-classification"
+TASKS = (CAUSAL_LM, CLASSIFICATION)
 
-class ConfigError(ValueError):
+# Weight dtypes by name, and the low-precision dtype of each training precision.
+DTYPES = ("float32", "bfloat16", "float16")
+PRECISION_DTYPES = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
+
+# config.json keys that hold a model's longest sequence, by architecture family.
+MAX_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length")
+
+DEVICES_AXIS = "devices"
+
+
+class UserError(ValueError):
+    """A mistake the user can fix (a config key, an option, a file): one line that names it. Every
+    stage's own error class derives from it, so a CLI reports them all alike (exit code 2)."""
+
+
+class ConfigError(UserError):
     """A user error in the config: the message names the file and the key to fix."""
+
+
+def torch_dtype(name: str):
+    """The torch dtype of a name in DTYPES (imports torch: call it from stage code only)."""
+    import torch
+
+    if name not in DTYPES:
+        raise ConfigError(f"dtype: {name!r} is not one of {', '.join(DTYPES)}")
+    return getattr(torch, name)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Schema validation
 
 
 def _load_yaml(path: Path) -> Any:
@@ -107,42 +156,385 @@ def deep_merge(base: Mapping, override: Mapping) -> dict:
     return merged
 
 
-def site_train_options(config: Mapping, site: str, *, source: str = "config") -> dict:
-    """The train section with the site's overrides merged over it, validated."""
-    options = deep_merge(config.get("train", {}), config["sites"][site].get("train", {}))
-    return validate_section(options, "train.schema.yaml", source=source, prefix=f"sites.{site}.train")
+def _parse_json(text: str, source: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{source}: not valid JSON: {e}") from None
 
 
-def _check_template(template: str, where: str, source: str) -> None:
+# ---------------------------------------------------------------------------------------------------
+# Rules a schema cannot express, each written once; the stages call these.
+
+
+def check_template(template: str, where: str) -> None:
+    """A prompt template is a format string whose only field is {text}."""
+    if "{text}" not in template:
+        raise ConfigError(f"{where}: {template!r} does not contain {{text}}")
     try:
         fields = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
     except ValueError as e:
-        raise ConfigError(f"{source}: {where}: {template!r} is not a valid format string: {e}") from None
+        raise ConfigError(f"{where}: {template!r} is not a valid format string: {e}") from None
     extra = fields - {"text"}
     if extra:
         raise ConfigError(
-            f"{source}: {where}: {template!r} uses {sorted(extra)}; only {{text}} is filled in "
+            f"{where}: {template!r} uses {sorted(extra)}; only {{text}} is filled in "
             "(write literal braces as {{ and }})"
         )
+
+
+def max_positions(model_config: Mapping) -> int | None:
+    """The longest sequence a model takes, from its config.json values or an `architecture` section."""
+    for key in MAX_POSITION_KEYS:
+        if isinstance(model_config.get(key), int):
+            return model_config[key]
+    return None
+
+
+def check_fits(length: int, model_config: Mapping, where: str, origin: str) -> None:
+    """A block or window of `length` tokens must fit the model's position embeddings; `origin` says
+    where the model's config came from."""
+    limit = max_positions(model_config)
+    if limit is not None and length > limit:
+        raise ConfigError(f"{where}: {length} exceeds the model's maximum positions ({limit}) in {origin}")
+
+
+def label_problem(values, num_labels: int) -> str | None:
+    """Why a label column cannot be a classifier's targets (classes 0..num_labels-1), or None."""
+    import numpy as np
+
+    values = np.asarray(values)
+    if not len(values):
+        return None
+    if not np.issubdtype(values.dtype, np.integer):
+        return (
+            f"holds {values.dtype} values, not class numbers (first: {values[:3].tolist()}); "
+            f"map them to 0..{num_labels - 1} first"
+        )
+    bad = np.flatnonzero((values < 0) | (values >= num_labels))
+    if len(bad):
+        return (
+            f"row {int(bad[0])} has label {int(values[bad[0]])}, outside 0..{num_labels - 1} "
+            f"(the model has {num_labels} classes)"
+        )
+    return None
+
+
+def check_weights(weights: Mapping[str, float], sites: Sequence[str], where: str) -> None:
+    """Explicit aggregation weights name every site once and do not sum to zero."""
+    unknown = sorted(set(weights) - set(sites))
+    missing = sorted(set(sites) - set(weights))
+    if unknown or missing:
+        raise ConfigError(f"{where}: must name every site once; unknown: {unknown}, missing: {missing}")
+    if sum(weights.values()) <= 0:
+        raise ConfigError(f"{where}: the weights sum to zero")
+
+
+def check_global_batch(global_batch: int, micro_batch: int, world_size: int, where: str) -> None:
+    """Gradient accumulation must be whole: global_batch = micro_batch x world size x accumulation."""
+    unit = micro_batch * world_size
+    if global_batch % unit:
+        below = max(unit, global_batch // unit * unit)
+        raise ConfigError(
+            f"{where}: {global_batch} must be a multiple of micro_batch ({micro_batch}) "
+            f"x world size ({world_size}) = {unit}, so that gradient accumulation steps are whole; "
+            f"use global_batch {below} or {below + unit}, or change micro_batch"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Typed options
+
+
+class _Options:
+    """The JSON form shared by the options objects: the rule -> CLI boundary."""
+
+    SCHEMA: str = ""
+
+    def to_json(self) -> str:
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return json.dumps(values, separators=(",", ":"))
+
+    def to_dict(self) -> dict:
+        """The JSON form as plain values (lists, not tuples), as the config file writes them."""
+        return json.loads(self.to_json())
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str = "--options"):
+        return cls.from_mapping(_parse_json(text, source), source=source)
+
+    @classmethod
+    def _validated(cls, data: Mapping, source: str, prefix: str) -> dict:
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{source}: {prefix or 'options'}: expected a mapping, got {data!r}")
+        return validate_section(copy.deepcopy(dict(data)), cls.SCHEMA, source=source, prefix=prefix)
+
+
+@dataclass(frozen=True)
+class TrainOptions(_Options):
+    """How one site trains: train.schema.yaml, after the cross-key rules (see `check`)."""
+
+    SCHEMA = "train.schema.yaml"
+
+    backend: str
+    sharding: str
+    zero_stage: int
+    offload_optimizer: bool
+    offload_params: bool
+    deepspeed_extra: dict
+    precision: str
+    gradient_checkpointing: bool
+    micro_batch: int
+    global_batch: int
+    max_steps: int | None
+    epochs: float
+    lr: float
+    min_lr_ratio: float
+    weight_decay: float
+    betas: tuple[float, float]
+    warmup_steps: int
+    schedule: str
+    grad_clip: float
+    seed: int
+    checkpoint_every: int
+    keep_checkpoints: int
+    remove_checkpoints: bool
+    retries: int
+    log_every: int
+    max_shard_size: str
+    nodes: int
+    processes_per_node: int
+    cpus_per_process: int
+    gpus_per_node: int
+    mem_mb: int
+    runtime: int
+    launcher: str
+    device: str
+
+    @classmethod
+    def from_mapping(cls, data: Mapping, *, source: str = "--options", prefix: str = "") -> TrainOptions:
+        values = cls._validated(data, source, prefix)
+        values["betas"] = tuple(values["betas"])
+        options = cls(**values)
+        options.check(f"{source}: {prefix + '.' if prefix else ''}")
+        return options
+
+    def check(self, where: str) -> None:
+        """The rules between keys; `where` prefixes the key named in the error ("file: sites.x.train.")."""
+        deepspeed = self.backend == "deepspeed"
+        if self.offload_params and not (deepspeed and self.zero_stage == 3):
+            raise ConfigError(f"{where}offload_params: needs backend deepspeed with zero_stage 3")
+        if self.offload_optimizer and not (deepspeed and self.zero_stage >= 1):
+            raise ConfigError(f"{where}offload_optimizer: needs backend deepspeed with zero_stage 1, 2 or 3")
+        if self.sharding in ("hybrid", "hybrid_zero2") and not self.fsdp:
+            raise ConfigError(f"{where}sharding: {self.sharding} is an fsdp mode; deepspeed uses zero_stage")
+        if self.deepspeed_extra and not deepspeed:
+            raise ConfigError(f"{where}deepspeed_extra: given, but backend is {self.backend}")
+        # Set by scripts/clusters/iris.sh: V100s have no bf16, and emulating it would be slow and silent.
+        if self.precision == "bf16" and os.environ.get("FEDTUNE_NO_BF16") == "1":
+            raise ConfigError(f"{where}precision: bf16, but this cluster's GPUs have none; use fp16 or fp32")
+        check_global_batch(self.global_batch, self.micro_batch, self.world_size, f"{where}global_batch")
+
+    @property
+    def fsdp(self) -> bool:
+        return self.backend == "fsdp"
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.processes_per_node
+
+    @property
+    def low_precision(self) -> str | None:
+        """The dtype name computation runs in under mixed precision; None for fp32."""
+        return PRECISION_DTYPES[self.precision]
+
+    @property
+    def sharding_label(self) -> str:
+        """What training.json records: the FSDP sharding or the ZeRO stage."""
+        return self.sharding if self.fsdp else f"zero{self.zero_stage}"
+
+    def total_steps(self, steps_per_epoch: int) -> int:
+        if self.max_steps is not None:
+            return self.max_steps
+        return max(1, int(self.epochs * steps_per_epoch))
+
+    # Slurm: what a train job asks for and how scripts/launch starts its processes.
+    @property
+    def slurm_tasks(self) -> int:
+        """Tasks the launcher starts: one per node (torchrun) or one per process (srun)."""
+        if self.launcher == "torchrun":
+            return self.nodes
+        if self.launcher == "srun":
+            return self.world_size
+        return 1
+
+    @property
+    def job_launcher(self) -> str:
+        # A single task needs no srun step (the job already runs on its node): torchrun starts it directly.
+        return self.launcher if self.slurm_tasks > 1 else "local"
+
+    @property
+    def cpus_per_task(self) -> int:
+        return self.cpus_per_process * (1 if self.launcher == "srun" else self.processes_per_node)
+
+    @property
+    def gres(self) -> str | None:
+        return f"gpu:{self.gpus_per_node}" if self.gpus_per_node else None
+
+    @property
+    def tasks_per_gpu(self) -> int | None:
+        # The Slurm plugin otherwise reads `tasks` as tasks per GPU; torchrun's one task per node drives
+        # all of the node's GPUs (0 = do not set).
+        if not self.gpus_per_node:
+            return None
+        return 1 if self.job_launcher == "srun" else 0
+
+
+@dataclass(frozen=True)
+class EvaluateOptions(_Options):
+    """evaluate.schema.yaml."""
+
+    SCHEMA = "evaluate.schema.yaml"
+
+    max_length: int
+    stride: int | None
+    batch_size: int
+    max_documents: int | None
+    dtype: str | None
+
+    @classmethod
+    def from_mapping(cls, data: Mapping, *, source: str = "--options", prefix: str = "evaluate"):
+        return cls(**cls._validated(data, source, prefix))
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """One value of a scaling sweep: its folder label and the swept site's train options with it."""
+
+    label: str
+    value: Any
+    options: TrainOptions
+
+
+@dataclass(frozen=True)
+class Site:
+    name: str
+    cluster: str
+    dataset: dict
+    prompt_template: str
+    train: TrainOptions
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A whole validated config. `raw` is the dict with every default filled in (for the sections a
+    stage passes on as they are, such as a dataset spec)."""
+
+    raw: dict
+    run: str
+    results: str
+    cluster: str | None
+    task: str
+    model: dict
+    sites: dict[str, Site]
+    tokenize: dict
+    aggregate: dict
+    evaluate: EvaluateOptions
+    rounds: int
+    aggregate_on: str
+    remotes: dict
+    sweep_site: str | None
+    sweep_axis: str | None
+    sweep: tuple[SweepPoint, ...]
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.results) / self.run
+
+    @property
+    def classification(self) -> bool:
+        return self.task == CLASSIFICATION
+
+
+def sweep_label(axis: str, value) -> str:
+    """A folder name for one value: `devices-4`, `precision-fp16`, `gradient_checkpointing-true`."""
+    text = json.dumps(value) if isinstance(value, bool) else str(value)
+    return f"{axis}-{re.sub(r'[^A-Za-z0-9._-]+', '_', text)}"
+
+
+def _device_options(base: dict, value, where: str) -> dict:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{where}: {value!r} is not a device count (a whole number, at least 1)")
+    per_node = base["processes_per_node"]
+    nodes = -(-value // per_node)
+    # A partly filled last node would give a different world size than asked for.
+    if nodes > 1 and value % per_node:
+        raise ConfigError(
+            f"{where}: {value} devices do not fill whole nodes of {per_node} (the site's processes_per_node); "
+            f"use a multiple of {per_node}"
+        )
+    if nodes > 1 and base["launcher"] == "local":
+        raise ConfigError(
+            f"{where}: {value} devices need {nodes} nodes of {per_node}, but the site's launcher is local "
+            "(one machine); set train.launcher to torchrun or srun"
+        )
+    options = {**base, "nodes": nodes, "processes_per_node": min(value, per_node)}
+    if base["gpus_per_node"]:
+        options["gpus_per_node"] = min(value, base["gpus_per_node"])
+    return options
+
+
+def _sweep_points(config: Mapping, site: str, base: TrainOptions, source: str) -> tuple[SweepPoint, ...]:
+    """The sweep's values in the order given, each the swept site's options with the axis set."""
+    sweep = config["sweep"]
+    axis = sweep["axis"]
+    train_keys = schema("train.schema.yaml")["properties"]
+    if axis != DEVICES_AXIS and axis not in train_keys:
+        raise ConfigError(
+            f"{source}: sweep.axis: {axis!r} is neither devices nor a train key ({', '.join(train_keys)})"
+        )
+    points: dict[str, SweepPoint] = {}
+    for i, value in enumerate(sweep["values"]):
+        where = f"{source}: sweep.values[{i}]"
+        if axis == DEVICES_AXIS:
+            values = _device_options(base.to_dict(), value, where)
+        else:
+            values = {**base.to_dict(), axis: value}
+        validate_section(values, TrainOptions.SCHEMA, source=source, prefix=f"sweep.values[{i}]")
+        values["betas"] = tuple(values["betas"])
+        options = TrainOptions(**values)
+        options.check(f"{where} ({axis} {value!r}): ")
+        label = sweep_label(axis, value)
+        if label in points:
+            raise ConfigError(f"{where}: {value!r} gives the folder name {label} of an earlier value")
+        points[label] = SweepPoint(label, value, options)
+    return tuple(points.values())
 
 
 def _as_list(value) -> list[str]:
     return [value] if isinstance(value, str) else list(value)
 
 
-def check_config(config: dict, *, source: str = "config", base_dir: Path | None = None) -> dict:
-    """Schema validation plus the checks a schema cannot express. Returns the config with defaults."""
+def site_train_options(config: Mapping, site: str, *, source: str = "config") -> TrainOptions:
+    """The train section with the site's overrides merged over it, checked."""
+    merged = deep_merge(config.get("train", {}), config["sites"][site].get("train", {}))
+    return TrainOptions.from_mapping(merged, source=source, prefix=f"sites.{site}.train")
+
+
+def build_run_config(config: dict, *, source: str = "config", base_dir: Path | None = None) -> RunConfig:
+    """Validate `config` (defaults filled in place) with every rule, and return it as a RunConfig."""
     validate_section(config, MAIN_SCHEMA, source=source)
     base_dir = Path(base_dir or ".")
     model = config["model"]
-    if config["task"] == "sequence-classification" and model["num_labels"] is None:
-        raise ConfigError(f"{source}: model.num_labels: required for task sequence-classification")
+    if config["task"] == CLASSIFICATION and model["num_labels"] is None:
+        raise ConfigError(f"{source}: model.num_labels: required for task {CLASSIFICATION}")
     if model["source"] == "local":
         path = base_dir / model["path"]
         if not (path / "config.json").is_file():
             raise ConfigError(f"{source}: model.path: {path} holds no config.json (a save_pretrained folder)")
+    sites = {}
     for name, site in config["sites"].items():
-        _check_template(site["prompt_template"], f"sites.{name}.prompt_template", source)
+        check_template(site["prompt_template"], f"{source}: sites.{name}.prompt_template")
         dataset = site["dataset"]
         if dataset["source"] == "local":
             for split, files in dataset["data_files"].items():
@@ -151,31 +543,59 @@ def check_config(config: dict, *, source: str = "config", base_dir: Path | None 
                         raise ConfigError(
                             f"{source}: sites.{name}.dataset.data_files.{split}: file not found: {file}"
                         )
-        site_train_options(config, name, source=source)
-    if isinstance(config["aggregate"]["weights"], dict):
-        weights = config["aggregate"]["weights"]
-        unknown = sorted(set(weights) - set(config["sites"]))
-        missing = sorted(set(config["sites"]) - set(weights))
-        if unknown or missing:
-            raise ConfigError(
-                f"{source}: aggregate.weights: must name every site once; unknown: {unknown}, missing: {missing}"
-            )
-        if sum(weights.values()) <= 0:
-            raise ConfigError(f"{source}: aggregate.weights: the weights sum to zero")
-    architecture = model["architecture"]
-    max_positions = architecture.get("max_position_embeddings", architecture.get("n_positions"))
-    if max_positions is not None and config["tokenize"]["block_size"] > max_positions:
-        raise ConfigError(
-            f"{source}: tokenize.block_size: {config['tokenize']['block_size']} exceeds "
-            f"model.architecture.max_position_embeddings ({max_positions})"
+        sites[name] = Site(
+            name=name,
+            cluster=site["cluster"],
+            dataset=dataset,
+            prompt_template=site["prompt_template"],
+            train=site_train_options(config, name, source=source),
         )
-    from fedtune.sweep import sweep_points  # here, not at the top: fedtune.sweep imports this module
+    if isinstance(config["aggregate"]["weights"], dict):
+        check_weights(config["aggregate"]["weights"], list(sites), f"{source}: aggregate.weights")
+    check_fits(
+        config["tokenize"]["block_size"],
+        model["architecture"],
+        f"{source}: tokenize.block_size",
+        "model.architecture",
+    )
+    sweep = config["sweep"]
+    sweep_site = None
+    points: tuple[SweepPoint, ...] = ()
+    if sweep:
+        sweep_site = sweep["site"] or next(iter(sites))
+        if sweep_site not in sites:
+            raise ConfigError(
+                f"{source}: sweep.site: {sweep_site!r} is not a site of this config ({', '.join(sites)})"
+            )
+        points = _sweep_points(config, sweep_site, sites[sweep_site].train, source)
+    federation = config["federation"]
+    return RunConfig(
+        raw=config,
+        run=config["run"],
+        results=config["results"],
+        cluster=config["cluster"],
+        task=config["task"],
+        model=model,
+        sites=sites,
+        tokenize=config["tokenize"],
+        aggregate=config["aggregate"],
+        evaluate=EvaluateOptions.from_mapping(config["evaluate"], source=source),
+        rounds=federation["rounds"],
+        aggregate_on=federation["aggregate_on"] or next(iter(sites.values())).cluster,
+        remotes=federation["remotes"],
+        sweep_site=sweep_site,
+        sweep_axis=sweep["axis"] if sweep else None,
+        sweep=points,
+    )
 
-    sweep_points(config, source=source)
+
+def check_config(config: dict, *, source: str = "config", base_dir: Path | None = None) -> dict:
+    """Every rule of build_run_config; returns the config dict with its defaults filled in."""
+    build_run_config(config, source=source, base_dir=base_dir)
     return config
 
 
-def load_config(path: str | Path, *, base_dir: Path | None = None) -> dict:
+def read_config_file(path: str | Path) -> dict:
     path = Path(path)
     try:
         config = _load_yaml(path)
@@ -185,4 +605,13 @@ def load_config(path: str | Path, *, base_dir: Path | None = None) -> dict:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(config, dict):
         raise ConfigError(f"{path}: the config must be a mapping of keys to values")
-    return check_config(config, source=str(path), base_dir=base_dir)
+    return config
+
+
+def load_config(path: str | Path, *, base_dir: Path | None = None) -> dict:
+    """A config file, validated, as a dict with its defaults (see load_run_config for the object)."""
+    return check_config(read_config_file(path), source=str(path), base_dir=base_dir)
+
+
+def load_run_config(path: str | Path, *, base_dir: Path | None = None) -> RunConfig:
+    return build_run_config(read_config_file(path), source=str(path), base_dir=base_dir)

@@ -11,8 +11,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from fedtune.config import UserError
 
-class LaunchError(RuntimeError):
+
+class LaunchError(UserError, RuntimeError):
     """The process was started in a way that cannot form a job: the message says which variable."""
 
 

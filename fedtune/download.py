@@ -20,14 +20,23 @@ import sys
 from pathlib import Path
 
 from fedtune.atomic import atomic_dir, write_json
-from fedtune.config import ConfigError, validate_section
+from fedtune.config import (
+    CAUSAL_LM,
+    CLASSIFICATION,
+    TASKS,
+    ConfigError,
+    UserError,
+    label_problem,
+    torch_dtype,
+    validate_section,
+)
 from fedtune.secrets import redact
 
 SPLITS = ("train", "test")
 FORMATS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet", ".csv": "csv"}
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """A dataset that cannot be used: the message names the dataset, split or column."""
 
 
@@ -100,24 +109,13 @@ def load_splits(spec: dict, num_labels: int | None = None):
 
 def check_labels(data, field: str, num_labels: int, where: str) -> None:
     """Every value of the label column is a class number in 0..num_labels-1; else DataError naming it."""
-    import numpy as np
-
     if field not in data.column_names:
         raise DataError(
             f"{where}: dataset.label_field {field!r} is not a column; columns: {data.column_names}"
         )
-    values = np.asarray(data.with_format("numpy")[field])
-    if not np.issubdtype(values.dtype, np.integer):
-        raise DataError(
-            f"{where}: dataset.label_field {field!r} holds {values.dtype} values, not class numbers "
-            f"(first: {values[:3].tolist()}); map them to 0..{num_labels - 1} first"
-        )
-    bad = np.flatnonzero((values < 0) | (values >= num_labels))
-    if len(bad):
-        raise DataError(
-            f"{where}: dataset.label_field {field!r}: row {int(bad[0])} has label {int(values[bad[0]])}, "
-            f"outside 0..{num_labels - 1} (model.num_labels is {num_labels})"
-        )
+    problem = label_problem(data.with_format("numpy")[field], num_labels)
+    if problem:
+        raise DataError(f"{where}: dataset.label_field {field!r}: {problem}")
 
 
 def download_data(spec: dict, out: str | Path, num_labels: int | None = None) -> dict:
@@ -154,16 +152,16 @@ def _copy_model_dir(source: Path, dest: Path) -> None:
 
 
 def download_model(
-    spec: dict, out: str | Path, corpora: list[dict] | None = None, task: str = "causal-lm"
+    spec: dict, out: str | Path, corpora: list[dict] | None = None, task: str = CAUSAL_LM
 ) -> None:
     from fedtune import models
 
     spec = validate_section(dict(spec), "config.schema.yaml#/$defs/model", source="--spec", prefix="model")
     source = spec["source"]
     record = {"source": source, "task": task}
-    classify = task == models.CLASSIFICATION
+    classify = task == CLASSIFICATION
     if classify and spec["num_labels"] is None:
-        raise ConfigError("--spec: model.num_labels: required for task sequence-classification")
+        raise ConfigError(f"--spec: model.num_labels: required for task {CLASSIFICATION}")
     with atomic_dir(out) as tmp:
         if source == "init":
             if not corpora:
@@ -205,7 +203,7 @@ def download_model(
                 tokenizer,
                 num_labels=spec["num_labels"],
                 seed=spec["seed"],
-                dtype=models.DTYPES[spec["dtype"]],
+                dtype=torch_dtype(spec["dtype"]),
                 use_safetensors=not spec["allow_pickle"],
                 trust_remote_code=spec["trust_remote_code"],
                 revision=revision,
@@ -247,7 +245,7 @@ def main(argv=None) -> int:
         default="[]",
         help="JSON list of {path, text_field, template}: raw datasets to train a tokenizer on",
     )
-    model.add_argument("--task", default="causal-lm", choices=["causal-lm", "sequence-classification"])
+    model.add_argument("--task", default=CAUSAL_LM, choices=TASKS)
     model.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     try:
@@ -255,7 +253,7 @@ def main(argv=None) -> int:
             download_data(json.loads(args.spec), args.out, args.num_labels)
         else:
             download_model(json.loads(args.spec), args.out, json.loads(args.corpora), args.task)
-    except (ConfigError, DataError, ValueError, OSError) as error:
+    except (UserError, ValueError, OSError) as error:
         print(f"error: {redact(str(error))}", file=sys.stderr)
         return 2
     return 0

@@ -17,6 +17,7 @@ tokenizer's special tokens, truncated at --max-length, which the workflow sets t
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -25,9 +26,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fedtune import offline
+from fedtune.config import (
+    CAUSAL_LM,
+    CLASSIFICATION,
+    TASKS,
+    EvaluateOptions,
+    UserError,
+    check_fits,
+    check_template,
+    label_problem,
+)
 
 
-class EvaluateError(ValueError):
+class EvaluateError(UserError):
     """Bad options or data: the message names the option or the file to fix."""
 
 
@@ -204,7 +215,7 @@ def evaluate_classifier(
     import numpy as np
     import torch
 
-    from fedtune.models import CLASSIFICATION, load_model, load_tokenizer
+    from fedtune.models import load_model, load_tokenizer
     from fedtune.tokenize import TokenizeError, encode_examples
 
     data = load_split(
@@ -216,10 +227,10 @@ def evaluate_classifier(
     tokenizer = load_tokenizer(model_dir)
     model = load_model(model_dir, task=CLASSIFICATION, dtype=dtype)
     num_labels = model.config.num_labels
-    if not np.issubdtype(labels.dtype, np.integer) or labels.min() < 0 or labels.max() >= num_labels:
+    problem = label_problem(labels, num_labels)
+    if problem:
         raise EvaluateError(
-            f"--label-field: {data_dir} ({split}) column {label_field!r} holds values outside "
-            f"0..{num_labels - 1}, the classes of {model_dir}"
+            f"--label-field: {data_dir} ({split}) column {label_field!r}: {problem} ({model_dir})"
         )
     try:
         rows, lengths, _, truncated, n_bytes = encode_examples(
@@ -263,7 +274,7 @@ def evaluate(
     site: str | None = None,
     label: str | None = None,
     round_number: int | None = None,
-    task: str = "causal-lm",
+    task: str = CAUSAL_LM,
     label_field: str = "label",
 ) -> dict:
     import torch
@@ -271,16 +282,11 @@ def evaluate(
     from fedtune.models import load_causal_lm, load_tokenizer
 
     started = time.perf_counter()
-    if task != "sequence-classification":
+    if task != CLASSIFICATION:
         windows(max_length, max_length, stride)  # option checks, before loading anything
     if batch_size < 1:
         raise EvaluateError(f"--batch-size: {batch_size} must be at least 1")
-    try:
-        template.format(text="")
-    except (KeyError, IndexError, ValueError) as e:
-        raise EvaluateError(
-            f"--template: {template!r} is not a format string with only {{text}}: {e}"
-        ) from None
+    check_template(template, "--template")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     identity = {
         "model": label or Path(model_dir).name,
@@ -291,7 +297,7 @@ def evaluate(
         "data": str(data_dir),
         "split": split,
     }
-    if task == "sequence-classification":
+    if task == CLASSIFICATION:
         scores = evaluate_classifier(
             model_dir, data_dir, split=split, text_field=text_field, label_field=label_field,
             template=template, max_length=max_length, batch_size=batch_size, max_documents=max_documents,
@@ -310,12 +316,10 @@ def evaluate(
     stream = build_stream(texts, tokenizer, template, add_bos=add_bos)
     if len(stream.ids) < 2:
         raise EvaluateError(f"{data_dir} ({split}): {len(stream.ids)} tokens, nothing to score")
+    model_config = Path(model_dir) / "config.json"
+    if model_config.is_file():
+        check_fits(max_length, json.loads(model_config.read_text()), "--max-length", str(model_config))
     model = load_causal_lm(model_dir, dtype=dtype)
-    positions = getattr(model.config, "max_position_embeddings", None)
-    if positions is not None and max_length > positions:
-        raise EvaluateError(
-            f"--max-length: {max_length} exceeds the model's max_position_embeddings ({positions})"
-        )
     model.to(device).eval()
 
     nll, scored, n_windows = score(model, stream.ids, max_length, stride, batch_size, device)
@@ -351,26 +355,18 @@ def _stride(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"{text!r} is neither a number nor none") from None
 
 
-OPTION_KEYS = ("max_length", "stride", "batch_size", "max_documents", "dtype")
+OPTION_KEYS = tuple(EvaluateOptions.__dataclass_fields__)
 _UNSET = object()
 
 
-def resolve_options(options_json: str | None, flags: dict) -> dict:
-    """The evaluate config section (--options, validated and completed with the defaults of
-    evaluate.schema.yaml), with any option also given as its own flag taking precedence."""
-    import json
+def resolve_options(options_json: str | None, flags: dict) -> EvaluateOptions:
+    """The evaluate config section (--options: EvaluateOptions' JSON form, defaults filled in), with any
+    option also given as its own flag taking precedence."""
+    import dataclasses
 
-    from fedtune.config import ConfigError, validate_section
-
-    try:
-        options = json.loads(options_json) if options_json else {}
-    except json.JSONDecodeError as e:
-        raise EvaluateError(f"--options: not valid JSON: {e}") from None
-    try:
-        options = validate_section(options, "evaluate.schema.yaml", source="--options", prefix="evaluate")
-    except ConfigError as e:
-        raise EvaluateError(str(e)) from None
-    return {key: options[key] if flags.get(key, _UNSET) is _UNSET else flags[key] for key in OPTION_KEYS}
+    options = EvaluateOptions.from_json(options_json or "{}", source="--options")
+    given = {key: value for key, value in flags.items() if value is not _UNSET}
+    return dataclasses.replace(options, **given)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -385,7 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--split", default="test")
     parser.add_argument("--text-field", default="text")
-    parser.add_argument("--task", choices=["causal-lm", "sequence-classification"], default="causal-lm")
+    parser.add_argument("--task", choices=TASKS, default=CAUSAL_LM)
     parser.add_argument("--label-field", default="label", help="class column (sequence-classification)")
     parser.add_argument("--template", default="{text}", help="format string applied to each document")
     parser.add_argument(
@@ -416,7 +412,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from fedtune.atomic import write_json
-    from fedtune.models import ModelError
 
     try:
         options = resolve_options(args.options, {key: getattr(args, key) for key in OPTION_KEYS})
@@ -433,13 +428,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             round_number=args.round,
             task=args.task,
             label_field=args.label_field,
-            **options,
+            **options.to_dict(),
         )
-    except (EvaluateError, ModelError) as e:
+    except UserError as e:
         print(f"evaluate: error: {e}", file=sys.stderr)
         return 2
     write_json(args.out, result)
-    if args.task == "sequence-classification":
+    if args.task == CLASSIFICATION:
         print(
             f"[evaluate] {result['model']} on {result['site'] or args.data}: accuracy {result['accuracy']:.4f}, "
             f"macro-F1 {result['macro_f1']:.4f} on {result['documents']:,} documents, "

@@ -14,17 +14,12 @@ from pathlib import Path
 import torch
 
 from fedtune.checksums import sha256_file
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from fedtune.config import CAUSAL_LM, CLASSIFICATION, TASKS, UserError, torch_dtype
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 
 # Written beside the weights by the stage that wrote them, checked by every stage that reads them.
 CHECKSUMS = "fedtune-checksums.json"
-
-CAUSAL_LM = "causal-lm"
-CLASSIFICATION = "sequence-classification"
-TASKS = (CAUSAL_LM, CLASSIFICATION)
 
 
 def auto_class(task: str):
@@ -36,7 +31,7 @@ def auto_class(task: str):
     return AutoModelForCausalLM if task == CAUSAL_LM else AutoModelForSequenceClassification
 
 
-class ModelError(ValueError):
+class ModelError(UserError):
     """A model folder that cannot be used: the message names the folder and what is wrong."""
 
 
@@ -89,12 +84,12 @@ def build_model(
         raise ModelError(f"model.architecture.model_type: {model_type!r}: {e}") from None
     torch.manual_seed(seed)
     model = auto_class(task).from_config(config)
-    return model.to(DTYPES[dtype])
+    return model.to(torch_dtype(dtype))
 
 
 def _num_labels(num_labels: int | None) -> int:
     if num_labels is None or num_labels < 2:
-        raise ModelError(f"model.num_labels: {num_labels!r}; sequence-classification needs 2 or more classes")
+        raise ModelError(f"model.num_labels: {num_labels!r}; {CLASSIFICATION} needs 2 or more classes")
     return num_labels
 
 
@@ -218,7 +213,7 @@ def load_model(
             )
         if verify:
             verify_checksums(model_dir)
-    kwargs = {"dtype": DTYPES[dtype]} if dtype else {}
+    kwargs = {"dtype": torch_dtype(dtype)} if dtype else {}
     return auto_class(task).from_pretrained(
         model_dir,
         use_safetensors=not allow_pickle,

@@ -27,6 +27,7 @@ from pathlib import Path
 import pandas as pd
 
 from fedtune import offline
+from fedtune.config import CAUSAL_LM, CLASSIFICATION, UserError
 
 BASE = "base"
 AGGREGATE = "aggregate"
@@ -43,8 +44,8 @@ class Metrics:
 
 
 TASK_METRICS = {
-    "causal-lm": Metrics("perplexity", "bits_per_byte", "Perplexity", lower_is_better=True),
-    "sequence-classification": Metrics("accuracy", "macro_f1", "Accuracy", lower_is_better=False),
+    CAUSAL_LM: Metrics("perplexity", "bits_per_byte", "Perplexity", lower_is_better=True),
+    CLASSIFICATION: Metrics("accuracy", "macro_f1", "Accuracy", lower_is_better=False),
 }
 
 TRAINING_COLUMNS = [
@@ -61,7 +62,7 @@ TRAINING_COLUMNS = [
 ]
 
 
-class ReportError(ValueError):
+class ReportError(UserError):
     """Inputs that do not fit together: the message names the file."""
 
 
@@ -129,7 +130,7 @@ def load_evals(paths: Sequence[str | Path]) -> list[dict]:
     results, task = [], None
     for path in paths:
         r = _read_json(Path(path))
-        r.setdefault("task", "causal-lm")
+        r.setdefault("task", CAUSAL_LM)
         if r["task"] not in TASK_METRICS:
             raise ReportError(f"{path}: unknown task {r['task']!r}")
         if task is not None and r["task"] != task:
@@ -239,9 +240,7 @@ def _short(value: float) -> str:
     return f"{value:,.0f}" if value >= 1000 else f"{value:.2f}"
 
 
-def heatmap(
-    table: pd.DataFrame, path: Path, title: str, metrics: Metrics = TASK_METRICS["causal-lm"]
-) -> None:
+def heatmap(table: pd.DataFrame, path: Path, title: str, metrics: Metrics = TASK_METRICS[CAUSAL_LM]) -> None:
     import numpy as np
 
     plt = _pyplot()
@@ -275,7 +274,7 @@ def heatmap(
     plt.close(fig)
 
 
-def rounds_figure(table: pd.DataFrame, path: Path, metrics: Metrics = TASK_METRICS["causal-lm"]) -> None:
+def rounds_figure(table: pd.DataFrame, path: Path, metrics: Metrics = TASK_METRICS[CAUSAL_LM]) -> None:
     plt = _pyplot()
     sites = list(table.columns[2:])
     fig, ax = plt.subplots(figsize=(6, 4), layout="constrained")

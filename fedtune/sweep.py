@@ -1,5 +1,5 @@
-"""Scaling sweeps: one site's training run once per value of an axis (config `sweep`,
-workflow/schemas/sweep.schema.yaml), and the table and plot that compare the runs.
+"""Scaling sweeps: the table and plot that compare the runs of one site's training, once per value of
+an axis (config `sweep`, workflow/schemas/sweep.schema.yaml; fedtune.config expands it into points).
 
     python -m fedtune.sweep report --out results/<run>/report --axis devices \\
         --run results/<run>/sweep/yelp/devices-1 results/<run>/sweep/yelp/devices-2 ...
@@ -25,16 +25,15 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from fedtune import offline
 from fedtune.atomic import write_bytes, write_text
-from fedtune.config import ConfigError, schema, site_train_options, validate_section
+from fedtune.config import DEVICES_AXIS, UserError
 
-DEVICES = "devices"
+DEVICES = DEVICES_AXIS
 LOSS_COLUMNS = ("epoch", "loss", "tokens_per_s")
 SUMMARY_KEYS = (
     "world_size",
@@ -48,99 +47,10 @@ SUMMARY_KEYS = (
 
 
 # ---------------------------------------------------------------------------------------------------
-# Config: the sweep's points
-
-
-def sweep_site(config: Mapping) -> str | None:
-    """The swept site (the first site unless sweep.site names one); None without a sweep."""
-    sweep = config.get("sweep")
-    if not sweep:
-        return None
-    return sweep.get("site") or next(iter(config["sites"]))
-
-
-def sweep_label(axis: str, value) -> str:
-    """A folder name for one value: `devices-4`, `precision-fp16`, `gradient_checkpointing-true`."""
-    text = json.dumps(value) if isinstance(value, bool) else str(value)
-    return f"{axis}-{re.sub(r'[^A-Za-z0-9._-]+', '_', text)}"
-
-
-def _device_options(base: dict, value, where: str) -> dict:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{where}: {value!r} is not a device count (a whole number, at least 1)")
-    per_node = base["processes_per_node"]
-    nodes = -(-value // per_node)
-    # A partly filled last node would give a different world size than asked for.
-    if nodes > 1 and value % per_node:
-        raise ConfigError(
-            f"{where}: {value} devices do not fill whole nodes of {per_node} (the site's processes_per_node); "
-            f"use a multiple of {per_node}"
-        )
-    if nodes > 1 and base["launcher"] == "local":
-        raise ConfigError(
-            f"{where}: {value} devices need {nodes} nodes of {per_node}, but the site's launcher is local "
-            "(one machine); set train.launcher to torchrun or srun"
-        )
-    options = {**base, "nodes": nodes, "processes_per_node": min(value, per_node)}
-    if base["gpus_per_node"]:
-        options["gpus_per_node"] = min(value, base["gpus_per_node"])
-    return options
-
-
-def _check_batch(options: dict, where: str) -> None:
-    world = options["nodes"] * options["processes_per_node"]
-    unit = options["micro_batch"] * world
-    if options["global_batch"] % unit:
-        raise ConfigError(
-            f"{where}: global_batch {options['global_batch']} is not a multiple of micro_batch "
-            f"{options['micro_batch']} x world size {world} = {unit} (gradient accumulation must be whole); "
-            "change the sweep's values or train.global_batch"
-        )
-
-
-def sweep_points(config: Mapping, *, source: str = "config") -> list[tuple[str, dict]]:
-    """(label, train options) of each sweep value, in the order given: the swept site's train options
-    (site overrides merged) with the axis set to the value, each validated. [] without a sweep."""
-    sweep = config.get("sweep")
-    if not sweep:
-        return []
-    site = sweep_site(config)
-    if site not in config["sites"]:
-        raise ConfigError(
-            f"{source}: sweep.site: {site!r} is not a site of this config ({', '.join(config['sites'])})"
-        )
-    axis = sweep.get("axis", DEVICES)
-    train_keys = schema("train.schema.yaml")["properties"]
-    if axis != DEVICES and axis not in train_keys:
-        raise ConfigError(
-            f"{source}: sweep.axis: {axis!r} is neither devices nor a train key ({', '.join(train_keys)})"
-        )
-    # Cross-key rules (offload needs ZeRO-3, ...) live with the train CLI; importing it loads no torch.
-    from fedtune.train import check_options
-
-    base = site_train_options(config, site, source=source)
-    points: dict[str, dict] = {}
-    for i, value in enumerate(sweep["values"]):
-        where = f"{source}: sweep.values[{i}]"
-        if axis == DEVICES:
-            options = _device_options(base, value, where)
-        else:
-            options = {**base, axis: value}
-            validate_section(options, "train.schema.yaml", source=source, prefix=f"sweep.values[{i}]")
-        check_options(options, source=f"{where} ({axis} {value!r})")
-        _check_batch(options, where)
-        label = sweep_label(axis, value)
-        if label in points:
-            raise ConfigError(f"{where}: {value!r} gives the folder name {label} of an earlier value")
-        points[label] = options
-    return list(points.items())
-
-
-# ---------------------------------------------------------------------------------------------------
 # Report: one row per run
 
 
-class SweepError(ValueError):
+class SweepError(UserError):
     """A sweep run folder that cannot be read: the message names the file."""
 
 

@@ -27,27 +27,24 @@ import numpy as np
 from fedtune import offline
 from fedtune.atomic import atomic_dir, write_json
 from fedtune.checksums import sha256_file
+from fedtune.config import (
+    CAUSAL_LM,
+    CLASSIFICATION,
+    TASKS,
+    UserError,
+    check_fits,
+    check_template,
+    label_problem,
+)
 
 COUNTS = "counts.json"
 MODES = ("packing", "padding")
-TASKS = ("causal-lm", "sequence-classification")
 LABEL_IGNORE = -100
 SUM_KEYS = ("documents", "bytes", "tokens", "tokens_kept", "tokens_dropped", "blocks")
 
 
-class TokenizeError(ValueError):
+class TokenizeError(UserError):
     """Bad input to the tokenize stage: the message names the file, option or value."""
-
-
-def model_max_positions(model_dir: Path) -> int | None:
-    config_path = Path(model_dir) / "config.json"
-    if not config_path.is_file():
-        return None
-    config = json.loads(config_path.read_text())
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        if isinstance(config.get(key), int):
-            return config[key]
-    return None
 
 
 def templated_batches(texts, template: str, batch_size: int, progress=None):
@@ -149,7 +146,7 @@ def model_num_labels(model_dir: Path) -> int | None:
     leaves num_labels out when it is the default (2)."""
     from transformers import AutoConfig
 
-    from fedtune.models import CLASSIFICATION, model_task
+    from fedtune.models import model_task
 
     if not (Path(model_dir) / "config.json").is_file() or model_task(model_dir) != CLASSIFICATION:
         return None
@@ -194,7 +191,7 @@ def tokenize_shard(
     mode: str = "packing",
     add_bos: bool = True,
     site: str | None = None,
-    task: str = "causal-lm",
+    task: str = CAUSAL_LM,
     label_field: str = "label",
 ) -> dict:
     from datasets import load_from_disk
@@ -206,17 +203,13 @@ def tokenize_shard(
         raise TokenizeError(f"--mode: {mode!r} is not one of {MODES}")
     if task not in TASKS:
         raise TokenizeError(f"--task: {task!r} is not one of {TASKS}")
-    classify = task == "sequence-classification"
+    classify = task == CLASSIFICATION
     if not 0 <= shard < num_shards:
         raise TokenizeError(f"--shard: {shard} is not in 0..{num_shards - 1}")
-    if "{text}" not in template:
-        raise TokenizeError(f"--template: {template!r} does not contain {{text}}")
-    max_positions = model_max_positions(Path(tokenizer_dir))
-    if max_positions is not None and block_size > max_positions:
-        raise TokenizeError(
-            f"--block-size: {block_size} exceeds the model's maximum positions ({max_positions}) "
-            f"in {Path(tokenizer_dir) / 'config.json'}"
-        )
+    check_template(template, "--template")
+    model_config = Path(tokenizer_dir) / "config.json"
+    if model_config.is_file():
+        check_fits(block_size, json.loads(model_config.read_text()), "--block-size", str(model_config))
     try:
         splits = load_from_disk(str(raw))
     except FileNotFoundError as error:
@@ -285,19 +278,15 @@ def _tokenize_classification_shard(
     if num_labels is None:
         raise TokenizeError(
             f"--tokenizer: {tokenizer_dir} is not a sequence classifier (config.json architectures); "
-            "the download stage makes one for task sequence-classification"
+            f"the download stage makes one for task {CLASSIFICATION}"
         )
     if label_field not in data.column_names:
         raise TokenizeError(f"--label-field: {label_field!r} is not a column of {raw} ({data.column_names})")
     part = data.shard(num_shards=num_shards, index=shard, contiguous=True)
     labels = np.asarray(part.with_format("numpy")[label_field]) if len(part) else np.zeros(0, np.int64)
-    if len(labels) and (
-        not np.issubdtype(labels.dtype, np.integer) or labels.min() < 0 or labels.max() >= num_labels
-    ):
-        raise TokenizeError(
-            f"--label-field: {raw} ({split}) column {label_field!r} holds {labels.dtype} values in "
-            f"{labels.min()}..{labels.max()}; the model has {num_labels} classes (0..{num_labels - 1})"
-        )
+    problem = label_problem(labels, num_labels)
+    if problem:
+        raise TokenizeError(f"--label-field: {raw} ({split}) column {label_field!r}: {problem}")
     tokenizer = load_tokenizer(tokenizer_dir)
     texts = (
         t for batch in part.select_columns([text_field]).iter(batch_size=4096) for t in batch[text_field]
@@ -309,7 +298,7 @@ def _tokenize_classification_shard(
     kept = int(lengths.sum())
     counts = {
         "site": site,
-        "task": "sequence-classification",
+        "task": CLASSIFICATION,
         "split": split,
         "shard": shard,
         "num_shards": num_shards,
@@ -364,7 +353,7 @@ def write_manifest(shard_dirs: list[str | Path], out: str | Path) -> dict:
         if not counts_path.is_file():
             raise TokenizeError(f"{shard_dir}: no {COUNTS}: the shard is incomplete; rerun its tokenize job")
         counts = json.loads(counts_path.read_text())
-        counts.setdefault("task", "causal-lm")
+        counts.setdefault("task", CAUSAL_LM)
         for key in ("site", "task", "block_size", "mode"):
             if manifest[key] is None:
                 manifest[key] = counts[key]
@@ -411,7 +400,7 @@ def main(argv=None) -> int:
     shard.add_argument("--mode", choices=MODES, default="packing")
     shard.add_argument("--add-bos", action=argparse.BooleanOptionalAction, default=True)
     shard.add_argument("--site", default=None, help="site name recorded in counts.json")
-    shard.add_argument("--task", choices=TASKS, default="causal-lm")
+    shard.add_argument("--task", choices=TASKS, default=CAUSAL_LM)
     shard.add_argument("--label-field", default="label", help="class column (sequence-classification)")
     shard.add_argument("--num-proc", type=int, default=None, help="tokenizer threads (the job's cores)")
     shard.add_argument("--out", required=True)
@@ -433,7 +422,7 @@ def main(argv=None) -> int:
             )  # fmt: skip
         else:
             write_manifest(args.shards, args.out)
-    except (TokenizeError, OSError) as error:
+    except (UserError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0

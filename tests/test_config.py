@@ -73,13 +73,13 @@ def test_every_schema_key_is_documented_with_a_default():
 
 def test_site_train_override_merges_over_the_train_section():
     config = demo()
-    config["sites"]["beta"]["train"] = {"backend": "deepspeed", "zero_stage": 3, "nodes": 2}
+    config["sites"]["beta"]["train"] = {"backend": "deepspeed", "zero_stage": 3, "nodes": 2, "micro_batch": 4}
     check_config(config, base_dir=ROOT)
     beta = site_train_options(config, "beta")
     alpha = site_train_options(config, "alpha")
-    assert (beta["backend"], beta["zero_stage"], beta["nodes"]) == ("deepspeed", 3, 2)
-    assert beta["max_steps"] == alpha["max_steps"] == config["train"]["max_steps"]
-    assert alpha["backend"] == "fsdp"
+    assert (beta.backend, beta.zero_stage, beta.nodes) == ("deepspeed", 3, 2)
+    assert beta.max_steps == alpha.max_steps == config["train"]["max_steps"]
+    assert alpha.backend == "fsdp"
 
 
 def edit(path: str, value):
@@ -142,7 +142,7 @@ BAD = [
         edit("sites.beta.train", {"sharding": "half"}),
         "sites.beta.train.sharding",
     ),
-    ("block size above max positions", edit("tokenize.block_size", 512), "max_position_embeddings"),
+    ("block size above max positions", edit("tokenize.block_size", 512), "maximum positions"),
     ("negative aggregation weight", edit("aggregate.weights", {"alpha": -1, "beta": 1}), "aggregate.weights"),
     ("weights summing to zero", edit("aggregate.weights", {"alpha": 0, "beta": 0}), "sum to zero"),
     ("weights naming an unknown site", edit("aggregate.weights", {"alpha": 1, "gamma": 1}), "gamma"),

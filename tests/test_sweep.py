@@ -14,9 +14,9 @@ import pandas as pd
 import pytest
 import yaml
 
-from fedtune.config import ConfigError, check_config
+from fedtune.config import ConfigError, build_run_config, check_config, sweep_label
 from fedtune.sweep import main as sweep_main
-from fedtune.sweep import sweep_label, sweep_points, sweep_table
+from fedtune.sweep import sweep_table
 
 from .test_profiles import CLUSTERS, local_rules, planned_jobs, sbatch_options
 from .workflow_harness import ROOT, demo_config, job_counts, snakemake, write_config
@@ -32,7 +32,7 @@ def demo_with_sweep(sweep: dict, **train) -> dict:
 
 
 def points(config: dict) -> dict[str, dict]:
-    return dict(sweep_points(config))
+    return {point.label: point.options.to_dict() for point in build_run_config(config).sweep}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -83,7 +83,7 @@ def test_a_train_key_axis_sets_that_key_over_the_swept_sites_overrides():
 
 
 def test_no_sweep_gives_no_points():
-    assert sweep_points(check_config(demo_config())) == []
+    assert build_run_config(demo_config()).sweep == ()
 
 
 @pytest.mark.parametrize(
@@ -120,13 +120,14 @@ BAD_SWEEPS = [
     ),
     (
         {"values": [1, 2]},
-        {"global_batch": 24, "micro_batch": 8},
-        "sweep.values[1]: global_batch 24 is not a multiple of micro_batch 8 x world size 2 = 16",
+        # The site's own 3 processes divide 27 into whole micro batches; a sweep value of 2 does not.
+        {"global_batch": 27, "micro_batch": 3, "processes_per_node": 3},
+        "sweep.values[1] (devices 2): global_batch: 27 must be a multiple of micro_batch (3) x world size (2) = 6",
     ),
     (
         {"axis": "micro_batch", "values": [8, 3]},
         {},
-        "sweep.values[1]: global_batch 16 is not a multiple of micro_batch 3 x world size 2 = 6",
+        "sweep.values[1] (micro_batch 3): global_batch: 16 must be a multiple of micro_batch (3) x world size (2) = 6",
     ),
     ({"axis": "micro_batch", "values": [8, "big"]}, {}, "sweep.values[1].micro_batch: 'big' is not of type"),
     ({"axis": "precision", "values": ["fp8"]}, {}, "sweep.values[0].precision: 'fp8' is not one of"),

@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 from fedtune.blocks import BlockOrder, Blocks, DataError, manifest_shards
-from fedtune.config import ConfigError
+from fedtune.config import ConfigError, TrainOptions
 from fedtune.schedule import learning_rate
-from fedtune.train import EXIT_USER_ERROR, check_options
+from fedtune.train import EXIT_USER_ERROR
 from tests.train_runs import BLOCK_SIZE, LAUNCH, PYTHON, ROOT, env
 
 pytest_plugins = ["tests.train_fixtures"]
@@ -65,7 +65,7 @@ def test_blocks_reads_the_shards_of_a_manifest(site_manifest):
 
 
 def test_global_batch_must_divide_into_micro_batches():
-    with pytest.raises(DataError, match=r"global_batch \(10\) must be a multiple of .* = 4.*8 or 12"):
+    with pytest.raises(ConfigError, match=r"global_batch: 10 must be a multiple of .* = 4.*8 or 12"):
         BlockOrder(num_blocks=50, global_batch=10, micro_batch=2, world_size=2, seed=0)
     with pytest.raises(DataError, match="larger than the 6 training blocks"):
         BlockOrder(num_blocks=6, global_batch=8, micro_batch=2, world_size=2, seed=0)
@@ -82,7 +82,9 @@ def test_cli_reports_indivisible_batch_before_starting(tmp_path, site_manifest):
     # WORLD_SIZE without RANK or MASTER_ADDR: the check must come before any process group exists.
     result = run_cli(tmp_path, site_manifest, {"global_batch": 10, "micro_batch": 2}, WORLD_SIZE="2")
     assert result.returncode == EXIT_USER_ERROR, result.stderr
-    assert "global_batch (10) must be a multiple of micro_batch (2) x world size (2)" in result.stderr
+    assert (
+        "--options: global_batch: 10 must be a multiple of micro_batch (2) x world size (2)" in result.stderr
+    )
     assert not (tmp_path / "ckpt").exists()
 
 
@@ -107,14 +109,14 @@ def test_cli_options_error_names_the_key(tmp_path, site_manifest):
 )
 def test_check_options_names_the_key(options, key):
     with pytest.raises(ConfigError, match=rf"--options: {key}:"):
-        check_options(options)
+        TrainOptions.from_mapping(options)
 
 
 def test_bf16_is_refused_where_the_cluster_says_its_gpus_lack_it(monkeypatch):
     monkeypatch.setenv("FEDTUNE_NO_BF16", "1")
     with pytest.raises(ConfigError, match="--options: precision: bf16, but this cluster's GPUs have none"):
-        check_options({"precision": "bf16"})
-    assert check_options({"precision": "fp16"})["precision"] == "fp16"
+        TrainOptions.from_mapping({"precision": "bf16"})
+    assert TrainOptions.from_mapping({"precision": "fp16"}).precision == "fp16"
 
 
 def test_a_corrupted_shard_is_named_before_training(tmp_path, tiny_model_dir):
@@ -153,8 +155,22 @@ def test_corrupted_starting_weights_are_named_before_training(tmp_path, tiny_mod
 
 
 def test_check_options_fills_defaults():
-    options = check_options({"backend": "deepspeed"})
-    assert options["zero_stage"] == 2 and options["deepspeed_extra"] == {} and options["retries"] >= 1
+    options = TrainOptions.from_mapping({"backend": "deepspeed"})
+    assert options.zero_stage == 2 and options.deepspeed_extra == {} and options.retries >= 1
+
+
+def test_train_options_round_trip_through_their_json_form():
+    options = TrainOptions.from_mapping(
+        {"backend": "deepspeed", "betas": [0.8, 0.9], "deepspeed_extra": {"a": 1}}
+    )
+    again = TrainOptions.from_json(options.to_json())
+    assert again == options and again.betas == (0.8, 0.9)
+    # Every key of the schema is a field, and nothing else is: the two cannot drift apart.
+    assert set(options.to_dict()) == set(
+        yaml.safe_load((ROOT / "workflow/schemas/train.schema.yaml").read_text())["properties"]
+    )
+    with pytest.raises(ConfigError, match="--options: not valid JSON"):
+        TrainOptions.from_json("{nope")
 
 
 def test_launch_rejects_an_unknown_launcher():
@@ -195,7 +211,12 @@ def test_train_rule_resources_follow_the_launcher(tmp_path):
         "cpus_per_process": 8,
         "global_batch": 64,
     }
-    demo["sites"]["beta"]["train"] = {"launcher": "torchrun", "nodes": 2, "processes_per_node": 2}
+    demo["sites"]["beta"]["train"] = {
+        "launcher": "torchrun",
+        "nodes": 2,
+        "processes_per_node": 2,
+        "micro_batch": 4,
+    }
     demo["sites"]["gamma"] = {**demo["sites"]["beta"], "train": {}}
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(demo))

@@ -54,28 +54,42 @@ def test_fsdp_full_trains_and_exports(reference_run):
     assert f"step {BASE_OPTIONS['max_steps']}/{BASE_OPTIONS['max_steps']} | loss" in stdout
 
 
-def test_export_reloads_with_the_in_memory_logits(reference_run):
+LAST_CHECKPOINT = f"step-{BASE_OPTIONS['max_steps']:08d}"
+
+
+def assert_exported_as_trained(model_out, trained: dict):
+    """The exported weights are the sharded trainer's last weights (its final checkpoint), bit for bit,
+    and reload with from_pretrained."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    probe = torch.load(reference_run / "probe.pt")
-    model = AutoModelForCausalLM.from_pretrained(reference_run / "model")
+    exported = weights(model_out)
+    assert sorted(exported) == sorted(trained)
+    for name, tensor in trained.items():
+        assert torch.equal(exported[name], tensor.float()), name
+    model = AutoModelForCausalLM.from_pretrained(model_out)
     assert model.dtype == torch.float32
-    with torch.no_grad():
-        logits = model(probe["input_ids"]).logits
-    torch.testing.assert_close(logits, probe["logits"], atol=1e-5, rtol=1e-5)
-    assert AutoTokenizer.from_pretrained(reference_run / "model").bos_token == "<s>"
+    reloaded = model.state_dict()
+    assert all(torch.equal(reloaded[name], exported[name]) for name in exported)
+    assert AutoTokenizer.from_pretrained(model_out).bos_token == "<s>"
+
+
+def test_fsdp_export_holds_the_trained_weights(reference_run, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(reference_run / "checkpoints" / LAST_CHECKPOINT / "fsdp", tmp_path / "last.pt")
+    trained = torch.load(tmp_path / "last.pt", weights_only=False)["model"]
+    assert_exported_as_trained(reference_run / "model", trained)
 
 
 def test_deepspeed_zero3_matches_fsdp(deepspeed3_run, reference_run):
     assert_same_training(deepspeed3_run / "model", reference_run / "model")
     summary = json.loads((deepspeed3_run / "model" / "training.json").read_text())
     assert summary["backend"] == "deepspeed" and summary["sharding"] == "zero3"
-    probe = torch.load(deepspeed3_run / "probe.pt")
-    from transformers import AutoModelForCausalLM
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    with torch.no_grad():
-        logits = AutoModelForCausalLM.from_pretrained(deepspeed3_run / "model")(probe["input_ids"]).logits
-    torch.testing.assert_close(logits, probe["logits"], atol=1e-5, rtol=1e-5)
+    checkpoint = deepspeed3_run / "checkpoints" / LAST_CHECKPOINT
+    trained = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag="deepspeed")
+    assert_exported_as_trained(deepspeed3_run / "model", trained)
 
 
 @pytest.mark.parametrize(

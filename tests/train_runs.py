@@ -100,8 +100,6 @@ def train_args(model_dir: Path, manifest: Path, run_dir: Path, options: dict, ex
         str(run_dir / "checkpoints"),
         "--out",
         str(run_dir / "model"),
-        "--probe-logits",
-        str(run_dir / "probe.pt"),
         *extra,
     ]
 

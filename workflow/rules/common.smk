@@ -1,4 +1,5 @@
-# Config validation, the results layout and the input functions every rule file uses.
+# The config as objects (fedtune.config, where every rule of the config lives), the results layout and
+# the input functions every rule file uses.
 import json
 import os
 import shlex
@@ -14,10 +15,13 @@ os.environ.update(
     )
 )
 
-from fedtune.config import ConfigError, check_config, site_train_options
+from fedtune.config import ConfigError, build_run_config
 
 try:
-    check_config(config, source=" + ".join(map(str, workflow.configfiles)) or "config")
+    # Fills in the defaults of `config` too, so rules may read plain sections from it.
+    RUN = build_run_config(
+        config, source=" + ".join(map(str, workflow.configfiles)) or "config"
+    )
 except ConfigError as error:
     raise WorkflowError(f"invalid configuration: {error}") from None
 
@@ -26,24 +30,22 @@ except ConfigError as error:
 CONDA_ENV = "../../envs/fedtune.yaml"
 CONTAINER = os.environ.get("FEDTUNE_CONTAINER", "fedtune.sif")
 
-RUN_DIR = Path(config["results"]) / config["run"]
-TASK = config["task"]
-CLASSIFICATION = TASK == "sequence-classification"
+RUN_DIR = RUN.run_dir
+TASK = RUN.task
+CLASSIFICATION = RUN.classification
 # The report's main table: perplexity of language models, accuracy of classifiers.
 REPORT_METRIC = "accuracy" if CLASSIFICATION else "perplexity"
-SITES = list(config["sites"])
-ROUNDS = list(range(1, config["federation"]["rounds"] + 1))
+SITES = list(RUN.sites)
+ROUNDS = list(range(1, RUN.rounds + 1))
 SPLITS = ["train", "test"]
 
 # Multi-cluster federation: which sites train here, and whether the models meet here.
-HERE = config["cluster"]
-AGGREGATE_ON = (
-    config["federation"]["aggregate_on"] or config["sites"][SITES[0]]["cluster"]
-)
+HERE = RUN.cluster
+AGGREGATE_ON = RUN.aggregate_on
 
 
 def site_cluster(site):
-    return config["sites"][site]["cluster"]
+    return RUN.sites[site].cluster
 
 
 def trains_here(site):
@@ -97,15 +99,15 @@ def tokenizer_corpora():
     return [
         {
             "path": raw_data_dir(site),
-            "text_field": config["sites"][site]["dataset"]["text_field"],
-            "template": config["sites"][site]["prompt_template"],
+            "text_field": RUN.sites[site].dataset["text_field"],
+            "template": RUN.sites[site].prompt_template,
         }
         for site in SITES
     ]
 
 
 def shard_dirs(site, split):
-    shards = config["tokenize"]["shards"]
+    shards = RUN.tokenize["shards"]
     return [run_path("data", site, split, f"shard-{k}") for k in range(shards)]
 
 
@@ -127,75 +129,33 @@ def init_model_dir(round):
     return base_model_dir() if round == 1 else aggregate_model_dir(round - 1)
 
 
-_TRAIN_OPTIONS = {}
-
-
-def train_options(site):
-    """The train section with the site's overrides merged over it, validated (once per site: input
-    functions ask for it for every job)."""
-    if site not in _TRAIN_OPTIONS:
-        _TRAIN_OPTIONS[site] = site_train_options(config, site)
-    return _TRAIN_OPTIONS[site]
-
-
-# Train jobs: Slurm resources and launcher arguments from the site's train options, or from the
-# options given (a sweep job's: the site's with one key changed).
+# Train jobs (rules train and train_sweep): Slurm resources and launcher arguments from the job's
+# train options, a site's (TrainOptions) or a sweep point's.
 LAUNCH = str(Path(workflow.basedir) / "scripts" / "launch")
+SWEEP_POINTS = {point.label: point for point in RUN.sweep}
+SWEEP_HERE = bool(SWEEP_POINTS) and RUN.sweep_site in LOCAL_SITES
 
 
-def _job_options(site, options):
-    return train_options(site) if options is None else options
+def train_job_options(wildcards):
+    """The TrainOptions of a train job, or of a sweep job (which has a `label` wildcard)."""
+    if "label" in wildcards.keys():
+        return SWEEP_POINTS[wildcards.label].options
+    return RUN.sites[wildcards.site].train
 
 
-def train_slurm_tasks(site, options=None):
-    """Slurm tasks the launcher starts: one per node (torchrun) or one per process (srun)."""
-    options = _job_options(site, options)
-    if options["launcher"] == "torchrun":
-        return options["nodes"]
-    if options["launcher"] == "srun":
-        return options["nodes"] * options["processes_per_node"]
-    return 1
-
-
-def train_launcher(site, options=None):
-    # A single task needs no srun step (the job already runs on its node): torchrun starts it directly.
-    options = _job_options(site, options)
-    return options["launcher"] if train_slurm_tasks(site, options) > 1 else "local"
-
-
-def train_launch_args(site, options=None):
-    options = _job_options(site, options)
+def train_launch_args(wildcards):
+    options = train_job_options(wildcards)
     return (
-        f"--cluster {config['sites'][site]['cluster']} --launcher {train_launcher(site, options)}"
-        f" --nodes {options['nodes']} --procs-per-node {options['processes_per_node']}"
-        f" --cpus-per-task {train_cpus_per_task(site, options)}"
+        f"--cluster {site_cluster(wildcards.site)} --launcher {options.job_launcher}"
+        f" --nodes {options.nodes} --procs-per-node {options.processes_per_node}"
+        f" --cpus-per-task {options.cpus_per_task}"
     )
-
-
-def train_cpus_per_task(site, options=None):
-    options = _job_options(site, options)
-    per_task = 1 if options["launcher"] == "srun" else options["processes_per_node"]
-    return options["cpus_per_process"] * per_task
-
-
-def train_gres(site, options=None):
-    gpus = _job_options(site, options)["gpus_per_node"]
-    return f"gpu:{gpus}" if gpus else None
-
-
-def train_tasks_per_gpu(site, options=None):
-    # The Slurm plugin otherwise reads `tasks` as tasks per GPU; torchrun's one task per node drives
-    # all of the node's GPUs (0 = do not set).
-    options = _job_options(site, options)
-    if not options["gpus_per_node"]:
-        return None
-    return 1 if train_launcher(site, options) == "srun" else 0
 
 
 def remote_source(cluster, relative, target):
     """Where another cluster keeps `relative` (a path inside its run folder), for rsync. Without a
     remote for that cluster, the error says what to run where instead."""
-    remote = config["federation"]["remotes"].get(cluster)
+    remote = RUN.remotes.get(cluster)
     if remote is None:
         raise WorkflowError(
             f"{target} is missing: it is made on cluster {cluster}. Either run there "
@@ -223,22 +183,23 @@ def tokenized_outputs():
 def get_final_output():
     """Where the models meet: the report (which needs every stage). Elsewhere: this cluster's sites'
     models of every round, which the aggregating cluster fetches. Plus the scaling sweep's report
-    where its site trains (SWEEP_TARGETS: sweep.smk, included before rule all)."""
+    where its site trains."""
     targets = tokenized_outputs()
     if aggregates_here():
         targets.append(run_path("report", f"{REPORT_METRIC}.csv"))
     else:
         targets += [site_model_dir(r, site) for r in ROUNDS for site in LOCAL_SITES]
-    return targets + SWEEP_TARGETS
+    if SWEEP_HERE:
+        targets.append(run_path("report", "sweep.csv"))
+    return targets
 
 
-# Evaluate rules.
 def eval_task_args(site):
     """A classifier reads its labels and sees each document cut where training cut it."""
     if not CLASSIFICATION:
         return ""
-    label_field = config["sites"][site]["dataset"]["label_field"]
+    label_field = RUN.sites[site].dataset["label_field"]
     return (
         f"--task {TASK} --label-field {shlex.quote(label_field)}"
-        f" --max-length {config['tokenize']['block_size']}"
+        f" --max-length {RUN.tokenize['block_size']}"
     )

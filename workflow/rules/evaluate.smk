@@ -12,7 +12,7 @@ EVAL_RESULTS = [run_path("eval", "base", f"{site}.json") for site in SITES] + [
 ]
 
 # The text is built as the tokenize stage builds it: same template, same BOS choice.
-EVAL_BOS = "--add-bos" if config["tokenize"]["add_bos"] else "--no-add-bos"
+EVAL_BOS = "--add-bos" if RUN.tokenize["add_bos"] else "--no-add-bos"
 
 
 EVAL_SHELL = (
@@ -41,10 +41,10 @@ rule evaluate_base:
         mem_mb=16000,
         runtime=60,
     params:
-        template=lambda wc: config["sites"][wc.site]["prompt_template"],
-        text_field=lambda wc: config["sites"][wc.site]["dataset"]["text_field"],
+        template=lambda wc: RUN.sites[wc.site].prompt_template,
+        text_field=lambda wc: RUN.sites[wc.site].dataset["text_field"],
         bos=EVAL_BOS,
-        options=to_json(config["evaluate"]),
+        options=RUN.evaluate.to_json(),
         label="base",
         round=0,
         task=lambda wc: eval_task_args(wc.site),
@@ -52,7 +52,7 @@ rule evaluate_base:
         EVAL_SHELL
 
 
-rule evaluate_round:
+use rule evaluate_base as evaluate_round with:
     input:
         # A site's model of that round, or the round's aggregate.
         model=lambda wc: (
@@ -67,21 +67,6 @@ rule evaluate_round:
         log_path("evaluate", "round-{round}", "{model}", "{site}"),
     wildcard_constraints:
         model="|".join(re.escape(m) for m in EVAL_MODELS),
-    conda:
-        CONDA_ENV
-    container:
-        CONTAINER
-    threads: 2
-    resources:
-        mem_mb=16000,
-        runtime=60,
     params:
-        template=lambda wc: config["sites"][wc.site]["prompt_template"],
-        text_field=lambda wc: config["sites"][wc.site]["dataset"]["text_field"],
-        bos=EVAL_BOS,
-        options=to_json(config["evaluate"]),
         label=lambda wc: wc.model,
         round=lambda wc: wc.round,
-        task=lambda wc: eval_task_args(wc.site),
-    shell:
-        EVAL_SHELL
