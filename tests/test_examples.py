@@ -1,5 +1,5 @@
 """Every example config in config/examples/ runs, scaled down, through the whole workflow on CPU: its twin
-(fedtune.twins) changes only sizes and locations, and the twin's run trains with the example's backend,
+(tests/support/twins.py) changes only sizes and locations, and the twin's run trains with the example's backend,
 sharding and ZeRO stage, beats the base model on every site's own test set, and reports."""
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ import pytest
 import yaml
 
 from fedtune.config import check_config
-from fedtune.twins import differences, make_twin
+from tests.support.twins import differences, make_twin
 
 from .workflow_harness import ROOT, snakemake
 
 EXAMPLES = sorted((ROOT / "config" / "examples").glob("*.yaml"))
 
-# What a twin may change, written out here rather than read from fedtune.twins, so that a twin cannot
+# What a twin may change, written out here rather than read from the twins module, so that a twin cannot
 # quietly change what it runs (the backend, the sharding, the data's config or splits, the template...).
 RESOURCES = ["device", "launcher", "nodes", "processes_per_node", "gpus_per_node", "cpus_per_process",
              "mem_mb", "runtime"]  # fmt: skip
@@ -183,9 +183,9 @@ def test_cli_names_the_key_it_cannot_scale_down(tmp_path):
     path = tmp_path / "example.yaml"
     path.write_text(yaml.safe_dump(example))
     result = subprocess.run(
-        [sys.executable, "-m", "fedtune.twins", str(path), "--assets", str(tmp_path / "a"), "--out",
+        [str(ROOT / "scripts" / "twin"), str(path), "--assets", str(tmp_path / "a"), "--out",
          str(tmp_path / "twin.yaml")],
-        capture_output=True, text=True, cwd=ROOT,
+        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"},
     )  # fmt: skip
     assert result.returncode == 2
     assert "model.name: 'someone/unknown-model' has no tiny stand-in" in result.stderr, result.stderr

@@ -19,7 +19,7 @@ from snakemake_executor_plugin_slurm.submit_string import get_submit_command
 from snakemake_executor_plugin_slurm.utils import set_gres_string
 from snakemake_executor_plugin_slurm.validation import validate_slurm_extra
 
-from .workflow_harness import ROOT, demo_config, snakemake, write_config
+from .workflow_harness import ROOT, PlannedJob, demo_config, planned_jobs, snakemake, write_config
 
 CLUSTERS = {
     # cluster: CPU partition (tokenize), GPU partition (train, evaluate), GPUs and cores per node, the
@@ -45,24 +45,6 @@ def local_rules() -> set[str]:
     return names
 
 
-class JobResources(dict):
-    """The resources of a job as the plugin reads them: .get() and attribute access."""
-
-    def __getattr__(self, name):
-        try:
-            return self[name]
-        except KeyError:
-            raise AttributeError(name) from None
-
-
-class PlannedJob:
-    def __init__(self, rule: str, resources: dict, threads: int = 1, wildcards: dict | None = None):
-        self.name = rule
-        self.resources = JobResources(resources)
-        self.threads = threads
-        self.wildcards = wildcards or {}
-
-
 def sbatch_options(job: PlannedJob) -> str:
     """The sbatch command line the slurm executor would run for job (without --wrap)."""
     validate_slurm_extra(job)
@@ -80,29 +62,6 @@ def sbatch_options(job: PlannedJob) -> str:
         "workdir": "WORKDIR",
     }
     return get_submit_command(job, params) + set_gres_string(job)
-
-
-def parse_value(value: str):
-    return int(value) if re.fullmatch(r"\d+", value) else value
-
-
-def planned_jobs(output: str) -> list[PlannedJob]:
-    """The jobs of a dry run: rule name, resolved resources, threads and wildcards."""
-    jobs, rule, threads, wildcards = [], None, 1, {}
-    for line in output.splitlines():
-        if match := re.match(r"^(?:local)?rule (\w+):$", line):
-            rule, threads, wildcards = match.group(1), 1, {}
-        elif rule and (match := re.match(r"^\s+threads: (\d+)$", line)):
-            threads = int(match.group(1))
-        elif rule and (match := re.match(r"^\s+wildcards: (.*)$", line)):
-            wildcards = dict(item.split("=", 1) for item in match.group(1).split(", "))
-        elif rule and (match := re.match(r"^\s+resources: (.*)$", line)):
-            pairs = (item.split("=", 1) for item in match.group(1).split(", "))
-            jobs.append(
-                PlannedJob(rule, {key: parse_value(value) for key, value in pairs}, threads, wildcards)
-            )
-            rule = None
-    return jobs
 
 
 def profile_settings(profile: str) -> dict:

@@ -18,8 +18,8 @@ from fedtune.config import ConfigError, build_run_config, check_config, sweep_la
 from fedtune.sweep import main as sweep_main
 from fedtune.sweep import sweep_table
 
-from .test_profiles import CLUSTERS, local_rules, planned_jobs, sbatch_options
-from .workflow_harness import ROOT, demo_config, job_counts, snakemake, write_config
+from .test_profiles import CLUSTERS, local_rules, sbatch_options
+from .workflow_harness import ROOT, demo_config, job_counts, planned_jobs, snakemake, write_config
 
 OPT_EXAMPLE = ROOT / "config" / "examples" / "opt125m-yelp.yaml"
 

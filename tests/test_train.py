@@ -15,6 +15,7 @@ from fedtune.config import ConfigError, TrainOptions
 from fedtune.schedule import learning_rate
 from fedtune.train import EXIT_USER_ERROR
 from tests.train_runs import BLOCK_SIZE, LAUNCH, PYTHON, ROOT, env
+from tests.workflow_harness import demo_config, dry_run, write_config
 
 pytest_plugins = ["tests.train_fixtures"]
 
@@ -198,12 +199,8 @@ def test_launch_sources_the_cluster_file(tmp_path):
 
 def test_train_rule_resources_follow_the_launcher(tmp_path):
     """Dry run: a Slurm site gets nodes/tasks/gres and mpi=srun; a local site gets no mpi resource."""
-    demo = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
-    for site in demo["sites"].values():
-        files = site["dataset"]["data_files"]
-        site["dataset"]["data_files"] = {split: str(ROOT / path) for split, path in files.items()}
-    demo["results"] = str(tmp_path / "results")
-    demo["sites"]["alpha"]["train"] = {
+    config = demo_config(results=str(tmp_path / "results"))
+    config["sites"]["alpha"]["train"] = {
         "launcher": "srun",
         "nodes": 2,
         "processes_per_node": 4,
@@ -211,34 +208,31 @@ def test_train_rule_resources_follow_the_launcher(tmp_path):
         "cpus_per_process": 8,
         "global_batch": 64,
     }
-    demo["sites"]["beta"]["train"] = {
+    config["sites"]["beta"]["train"] = {
         "launcher": "torchrun",
         "nodes": 2,
         "processes_per_node": 2,
         "micro_batch": 4,
     }
-    demo["sites"]["gamma"] = {**demo["sites"]["beta"], "train": {}}
-    config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump(demo))
-    sites = ("alpha", "beta", "gamma")
-    targets = [str(tmp_path / "results" / "demo" / "round-1" / site / "model") for site in sites]
-    result = subprocess.run(
-        [str(ROOT / ".venv" / "bin" / "snakemake"), "-n", "-p", "--nolock", "--cores", "2", *targets]
-        + ["--configfile", str(config)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env(),
-        timeout=300,
+    config["sites"]["gamma"] = {**config["sites"]["beta"], "train": {}}
+    write_config(tmp_path, config)
+    targets = [
+        str(tmp_path / "results" / "demo" / "round-1" / site / "model") for site in ("alpha", "beta", "gamma")
+    ]
+    jobs = {job.wildcards["site"]: job for job in dry_run(tmp_path, *targets) if job.name == "train"}
+    alpha, beta, gamma = jobs["alpha"], jobs["beta"], jobs["gamma"]
+    assert (alpha.resources["nodes"], alpha.resources["tasks"], alpha.resources["tasks_per_gpu"]) == (2, 8, 1)
+    assert (alpha.resources["cpus_per_task"], alpha.resources["gres"], alpha.resources["mpi"]) == (
+        8,
+        "gpu:4",
+        "srun",
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    jobs = {}
-    for block in result.stdout.split("rule train:")[1:]:
-        site = next(name for name in sites if f"site={name}" in block)
-        jobs[site] = block.split("\n\n")[0] + block.split("Shell command:")[-1].split("\n")[0]
-    assert "nodes=2, tasks=8, tasks_per_gpu=1, cpus_per_task=8, gres=gpu:4" in jobs["alpha"]
-    assert "mpi=srun" in jobs["alpha"] and "--launcher srun --nodes 2 --procs-per-node 4" in jobs["alpha"]
-    assert "nodes=2, tasks=2, cpus_per_task=2" in jobs["beta"] and "gres" not in jobs["beta"]
-    assert "--launcher torchrun" in jobs["beta"] and "mpi=srun" in jobs["beta"]
-    assert "mpi" not in jobs["gamma"] and "--launcher local --nodes 1 --procs-per-node 2" in jobs["gamma"]
-    assert "--checkpoints" in jobs["alpha"] and "round-1/alpha/checkpoints" in jobs["alpha"]
+    assert "--launcher srun --nodes 2 --procs-per-node 4" in alpha.shell
+    assert (beta.resources["nodes"], beta.resources["tasks"], beta.resources["cpus_per_task"]) == (2, 2, 2)
+    assert (
+        "gres" not in beta.resources
+        and beta.resources["mpi"] == "srun"
+        and "--launcher torchrun" in beta.shell
+    )
+    assert "mpi" not in gamma.resources and "--launcher local --nodes 1 --procs-per-node 2" in gamma.shell
+    assert "round-1/alpha/checkpoints" in alpha.shell.split("--checkpoints ")[1]

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -49,18 +52,60 @@ def snakemake(workdir: Path, *args: str, profile: str = "local", check: bool = T
     return result
 
 
-def job_counts(output: str) -> dict[str, int]:
-    """The 'Job stats' table of a dry run as {rule: count}."""
-    counts, in_table = {}, False
+class JobResources(dict):
+    """The resources of a job as the slurm executor plugin reads them: .get() and attribute access."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+@dataclass
+class PlannedJob:
+    """One job of a dry run, as Snakemake resolved it."""
+
+    name: str
+    resources: JobResources = field(default_factory=JobResources)
+    threads: int = 1
+    wildcards: dict = field(default_factory=dict)
+    shell: str = ""
+
+
+def _value(text: str):
+    return int(text) if re.fullmatch(r"\d+", text) else text
+
+
+def planned_jobs(output: str) -> list[PlannedJob]:
+    """Every job of the output of `snakemake --dry-run --printshellcmds`, in order: rule name, threads,
+    wildcards, resolved resources and shell command. The one place that reads Snakemake's dry-run text."""
+    jobs: list[PlannedJob] = []
+    job = None
     for line in output.splitlines():
-        if line.startswith("job ") and "count" in line:
-            in_table = True
+        if match := re.match(r"^(?:local)?rule (\w+):$", line):
+            job = PlannedJob(match.group(1))
+            jobs.append(job)
+        elif job is None:
             continue
-        if in_table:
-            parts = line.split()
-            if not parts or parts[0] == "total":
-                break
-            if parts[0].startswith("-"):
-                continue
-            counts[parts[0]] = int(parts[1])
-    return counts
+        elif match := re.match(r"^\s+threads: (\d+)$", line):
+            job.threads = int(match.group(1))
+        elif match := re.match(r"^\s+wildcards: (.*)$", line):
+            job.wildcards = dict(item.split("=", 1) for item in match.group(1).split(", "))
+        elif match := re.match(r"^\s+resources: (.*)$", line):
+            pairs = (item.split("=", 1) for item in match.group(1).split(", "))
+            job.resources = JobResources({key: _value(value) for key, value in pairs})
+        elif line.startswith("Shell command: "):
+            job.shell = line.removeprefix("Shell command: ")
+            job = None
+    return jobs
+
+
+def dry_run(workdir: Path, *args: str, **kwargs) -> list[PlannedJob]:
+    """The jobs Snakemake would run now for this working directory's config."""
+    return planned_jobs(snakemake(workdir, "--dry-run", "--printshellcmds", *args, **kwargs).stdout)
+
+
+def job_counts(output: str) -> dict[str, int]:
+    """Jobs per rule in a dry run's output (made with --printshellcmds)."""
+    return dict(Counter(job.name for job in planned_jobs(output)))

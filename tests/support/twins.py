@@ -1,6 +1,6 @@
 """Scaled-down twins of the example configs: the same workflow, on CPU, in minutes, with nothing downloaded.
 
-    python -m fedtune.twins config/examples/opt125m-yelp.yaml --assets twins/assets --out twins/opt125m-yelp.yaml
+    scripts/twin config/examples/opt125m-yelp.yaml --assets twins/assets --out twins/opt125m-yelp.yaml
     snakemake --profile profiles/local --configfile twins/opt125m-yelp.yaml
 
 A twin is the example config with only sizes and locations changed, so it runs through the same code
@@ -27,7 +27,7 @@ from pathlib import Path
 import yaml
 
 from fedtune.atomic import atomic_dir, write_text
-from fedtune.config import ConfigError, load_config
+from fedtune.config import ConfigError, check_config, deep_merge, load_config, torch_dtype, validate_section
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -285,7 +285,7 @@ def build_dataset(name: str, assets: Path) -> Path:
                 entry["default"] = True
             header["configs"].append(entry)
         readme = (
-            f"---\n{yaml.safe_dump(header, sort_keys=False)}---\n# Twin of {name}\n\nMade by fedtune.twins.\n"
+            f"---\n{yaml.safe_dump(header, sort_keys=False)}---\n# Twin of {name}\n\nMade by scripts/twin.\n"
         )
         (tmp / "README.md").write_text(readme, encoding="utf-8")
     return out
@@ -422,8 +422,6 @@ def build_model(name: str, texts: list[str], out: Path) -> Path:
     import torch
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
 
-    from fedtune.models import DTYPES
-
     recipe = MODELS[name]
     positions = recipe.config.get("max_position_embeddings", recipe.config.get("n_positions"))
     tokenizer = build_tokenizer(recipe.tokenizer, texts, positions)
@@ -433,7 +431,7 @@ def build_model(name: str, texts: list[str], out: Path) -> Path:
     loader = {"ForCausalLM": AutoModelForCausalLM, "LMHeadModel": AutoModelForCausalLM}
     auto = next((cls for suffix, cls in loader.items() if recipe.architecture.endswith(suffix)), None)
     auto = auto or (AutoModelForMaskedLM if recipe.architecture.endswith("ForMaskedLM") else AutoModel)
-    model = auto.from_config(config).to(DTYPES[recipe.dtype])
+    model = auto.from_config(config).to(torch_dtype(recipe.dtype))
     if type(model).__name__ != recipe.architecture:
         raise AssertionError(f"{name}: built {type(model).__name__}, the hub model is {recipe.architecture}")
     with atomic_dir(out) as tmp:
@@ -531,8 +529,6 @@ def _documents(value: int | None, cap: int) -> int | None:
 
 def twin_config(example: dict, assets: Path, *, source: str) -> dict:
     """The twin of a validated example config: sizes and locations changed, nothing else."""
-    from fedtune.config import deep_merge
-
     twin = copy.deepcopy(example)
     twin["run"] = f"{example['run']}-twin"
     twin["cluster"] = None
@@ -602,8 +598,6 @@ def twin_config(example: dict, assets: Path, *, source: str) -> dict:
 
 
 def _defaults(schema_name: str) -> dict:
-    from fedtune.config import validate_section
-
     return validate_section({}, schema_name, source="schema")
 
 
@@ -676,12 +670,10 @@ def make_twin(example_path: str | Path, assets: str | Path, out: str | Path) -> 
     if example["model"]["source"] == "hf":
         texts = [text for name in sorted(names) for text in corpus(name)]
         build_model(example["model"]["name"], texts, assets / "models" / _slug(example["model"]["name"]))
-    command = f"python -m fedtune.twins {example_path} --assets {assets} --out {out}"
+    command = f"scripts/twin {example_path} --assets {assets} --out {out}"
     text = header(example_path, example, twin, command) + yaml.safe_dump(
         twin, sort_keys=False, allow_unicode=True
     )
-    from fedtune.config import check_config
-
     check_config(yaml.safe_load(text), source=str(out))
     write_text(out, text)
     return twin
@@ -689,7 +681,7 @@ def make_twin(example_path: str | Path, assets: str | Path, out: str | Path) -> 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m fedtune.twins",
+        prog="scripts/twin",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
