@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fedtune import offline
+from fedtune.atomic import write_json
 from fedtune.config import (
     CAUSAL_LM,
     CLASSIFICATION,
@@ -36,6 +37,8 @@ from fedtune.config import (
     check_template,
     label_problem,
 )
+from fedtune.models import load_causal_lm, load_model, load_tokenizer
+from fedtune.tokenize import TokenizeError, encode_documents, encode_examples
 
 
 class EvaluateError(UserError):
@@ -80,7 +83,6 @@ def build_stream(
     """Template, tokenize and join the documents: [BOS] doc [EOS] [BOS] doc [EOS] ...
 
     The tokenize stage's own encoder does it, so the evaluated text is exactly the trained-on kind."""
-    from fedtune.tokenize import TokenizeError, encode_documents
 
     texts = list(texts)
     try:
@@ -215,9 +217,6 @@ def evaluate_classifier(
     import numpy as np
     import torch
 
-    from fedtune.models import load_model, load_tokenizer
-    from fedtune.tokenize import TokenizeError, encode_examples
-
     data = load_split(
         data_dir, split, {"--text-field": text_field, "--label-field": label_field}, max_documents
     )
@@ -278,8 +277,6 @@ def evaluate(
     label_field: str = "label",
 ) -> dict:
     import torch
-
-    from fedtune.models import load_causal_lm, load_tokenizer
 
     started = time.perf_counter()
     if task != CLASSIFICATION:
@@ -410,8 +407,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--round", type=int, default=None, help="federation round of the model (base: 0)")
     parser.add_argument("--out", required=True, help="result JSON")
     args = parser.parse_args(argv)
-
-    from fedtune.atomic import write_json
 
     try:
         options = resolve_options(args.options, {key: getattr(args, key) for key in OPTION_KEYS})

@@ -27,6 +27,7 @@ from pathlib import Path
 import pandas as pd
 
 from fedtune import offline
+from fedtune.atomic import write_text
 from fedtune.config import CAUSAL_LM, CLASSIFICATION, UserError
 
 BASE = "base"
@@ -343,7 +344,6 @@ def report(
     training: Sequence[tuple[int, str, Path]] = (),
     losses: Sequence[tuple[int, str, Path]] = (),
 ) -> dict[str, Path]:
-    from fedtune.atomic import write_text
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

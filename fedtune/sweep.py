@@ -32,6 +32,7 @@ from pathlib import Path
 from fedtune import offline
 from fedtune.atomic import write_bytes, write_text
 from fedtune.config import DEVICES_AXIS, UserError
+from fedtune.report import markdown
 
 DEVICES = DEVICES_AXIS
 LOSS_COLUMNS = ("epoch", "loss", "tokens_per_s")
@@ -230,7 +231,6 @@ DIGITS = {
 
 
 def write_report(out_dir: str | Path, folders: Sequence[str | Path], axis: str) -> dict[str, Path]:
-    from fedtune.report import markdown
 
     table = sweep_table(folders, axis)
     out_dir = Path(out_dir)

@@ -32,10 +32,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fedtune import offline
+from fedtune import backends, checkpoint, distributed, offline
+from fedtune.atomic import atomic_dir, write_json, write_text
 from fedtune.blocks import BlockOrder, Blocks, manifest_shards, trained_tokens
 from fedtune.config import CAUSAL_LM, CLASSIFICATION, ConfigError, TrainOptions, UserError
+from fedtune.models import load_model, load_tokenizer, save_model
 from fedtune.schedule import learning_rate
+from fedtune.tokenize import verify_shard
 
 EXIT_USER_ERROR = 2
 EXIT_RETRY = 75  # sysexits.h EX_TEMPFAIL: "temporary failure, the user is invited to retry"
@@ -136,12 +139,7 @@ def peak_memory_mb(device) -> float:
 
 
 def setup(args, options: TrainOptions) -> Setup:
-    # Imported here, after offline.enforce(): fedtune.models loads transformers.
     import torch
-
-    from fedtune import backends, distributed
-    from fedtune.models import load_model
-    from fedtune.tokenize import verify_shard
 
     # Data first: cheap to open (memory-mapped), so batch-size mistakes surface before the model loads.
     blocks = Blocks(manifest_shards(args.manifest))
@@ -182,7 +180,6 @@ def setup(args, options: TrainOptions) -> Setup:
 
 def resume(run: Setup, progress: TrainingProgress) -> None:
     """Continue from the newest complete checkpoint, if there is one of this run."""
-    from fedtune import checkpoint
 
     root = Path(run.args.checkpoints)
     last = checkpoint.newest(root)
@@ -202,7 +199,6 @@ def resume(run: Setup, progress: TrainingProgress) -> None:
 
 
 def save_checkpoint(run: Setup, progress: TrainingProgress, started: float) -> None:
-    from fedtune import checkpoint
 
     trainer = {
         **progress.state_dict(),
@@ -248,8 +244,6 @@ def train_step(run: Setup, step: int, lr: float, stop: StopRequest) -> tuple[flo
 
 def train(args, options: TrainOptions) -> int:
     import warnings
-
-    from fedtune import distributed
 
     # DeepSpeed calls these deprecated collectives on every step; one warning per call would bury the log.
     warnings.filterwarnings(
@@ -301,8 +295,6 @@ def train(args, options: TrainOptions) -> int:
     export(run, progress, started)
     distributed.barrier()
     if options.remove_checkpoints and job.is_main:
-        from fedtune import checkpoint
-
         checkpoint.remove_all(Path(args.checkpoints))
     distributed.stop()
     return 0
@@ -341,8 +333,6 @@ def summary(run: Setup, progress: TrainingProgress, started: float) -> dict:
 def export(run: Setup, progress: TrainingProgress, started: float) -> None:
     """A Hugging Face model folder in --dtype, plus training.json and loss.csv (a sweep's summary-only
     run: no weights). Collective: every rank gathers the weights, rank 0 writes."""
-    from fedtune.atomic import atomic_dir, write_json, write_text
-    from fedtune.models import load_model, load_tokenizer, save_model
 
     args = run.args
     state = None if args.summary_only else run.backend.full_state_dict()

@@ -189,3 +189,25 @@ def test_validation_does_not_change_a_valid_config_twice():
     once = check_config(copy.deepcopy(config), base_dir=ROOT)
     twice = check_config(copy.deepcopy(once), base_dir=ROOT)
     assert once == twice
+
+
+def test_options_objects_have_exactly_the_schema_keys():
+    """A key added to a section schema but not to its object (or the reverse) fails here, not in a job."""
+    import dataclasses
+
+    from fedtune.config import EvaluateOptions, TrainOptions, schema
+
+    for cls in (TrainOptions, EvaluateOptions):
+        fields = {f.name for f in dataclasses.fields(cls)}
+        assert fields == set(schema(cls.SCHEMA)["properties"]), cls.__name__
+
+
+def test_run_config_hands_out_each_sites_merged_options():
+    from fedtune.config import build_run_config
+
+    config = demo()
+    config["sites"]["beta"]["train"] = {"lr": 0.01}
+    run = build_run_config(config, base_dir=ROOT)
+    assert run.sites["beta"].train.lr == 0.01 and run.sites["alpha"].train.lr == config["train"]["lr"]
+    assert run.run_dir == Path(config["results"]) / config["run"] and run.rounds == 1
+    assert run.evaluate.max_length == config["evaluate"]["max_length"]
