@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 
 from fedtune.blocks import trained_tokens
-from fedtune.config import TrainOptions, deep_merge, torch_dtype
+from fedtune.config import ConfigError, TrainOptions, deep_merge, torch_dtype
 from fedtune.distributed import Job
 
 ADAM_EPS = 1e-8
@@ -44,6 +44,30 @@ class Backend(Protocol):
     def load_extra_state(self, state: dict) -> None: ...
 
     def full_state_dict(self) -> dict | None: ...
+
+    def save_optimizer(self, folder: Path) -> None: ...
+
+    def load_optimizer(self, folder: Path) -> None: ...
+
+
+class Proximal:
+    """FedProx's term mu/2 ||w - w0||^2, added to the gradients as mu (w - w0) just before the step, on
+    the tensors this rank holds. `local_tensors()` yields, per parameter, its local gradient, its local
+    fp32 weights and a function that stores a changed gradient back (None where the gradient is the
+    stored one). w0 is the local weights when the backend is built: the round's start model, also when
+    a run resumes (the checkpoint is loaded after)."""
+
+    def __init__(self, mu: float, local_tensors):
+        self.mu, self.local_tensors = mu, local_tensors
+        self.start = [weights.detach().clone() for _, weights, _ in local_tensors(grads=False)]
+
+    def apply(self) -> None:
+        for (grad, weights, store), start in zip(self.local_tensors(grads=True), self.start, strict=True):
+            if grad is None:
+                continue
+            grad.add_(weights.detach() - start, alpha=self.mu)
+            if store is not None:
+                store(grad)
 
 
 def decoder_layer_classes(model) -> set[str]:
@@ -133,6 +157,16 @@ class _TorchBackend:
         self.grad_clip = options.grad_clip
         self.optimizer = adamw(model, options)
         self.scaler = LossScaler() if options.precision == "fp16" else None
+        self.proximal = Proximal(options.fedprox_mu, self._local_tensors) if options.fedprox_mu else None
+
+    def _local_tensors(self, grads: bool):
+        """Gradient and weights as this rank holds them (an FSDP2 DTensor's local shard), for Proximal."""
+        for p in self.model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            grad = (
+                p.grad.to_local() if grads and p.grad is not None and hasattr(p.grad, "to_local") else p.grad
+            )
+            yield grad, local, None
 
     def _scaled(self, weight: float) -> float:
         return weight / self.accumulation * (self.scaler.scale if self.scaler else 1.0)
@@ -144,6 +178,8 @@ class _TorchBackend:
         if self.scaler:
             for p in params:
                 p.grad.div_(self.scaler.scale)
+        if self.proximal:
+            self.proximal.apply()
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
@@ -186,6 +222,22 @@ class _TorchBackend:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(self.model, options=options)
         return state if self.job.is_main else None
+
+    def save_optimizer(self, folder: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        dcp.save({"optim": get_optimizer_state_dict(self.model, self.optimizer)}, checkpoint_id=str(folder))
+
+    def load_optimizer(self, folder: Path) -> None:
+        """The optimizer state (Adam's moments and step count) of another run over the same parameters;
+        the weights stay as they are."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        state = {"optim": get_optimizer_state_dict(self.model, self.optimizer)}
+        dcp.load(state, checkpoint_id=str(folder))
+        set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
 
 
 def _low_precision(options: TrainOptions):
@@ -320,6 +372,15 @@ class DeepSpeedBackend:
         self.engine, *_ = deepspeed.initialize(
             model=model, optimizer=optimizer, model_parameters=model.parameters(), config=self.config
         )
+        self.proximal = Proximal(options.fedprox_mu, self._local_tensors) if options.fedprox_mu else None
+
+    def _local_tensors(self, grads: bool):
+        """ZeRO-3's partitions of each parameter on this rank (TrainOptions allows FedProx on stage 3 only)."""
+        from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_grad, safe_set_local_grad
+
+        for p in self.engine.module.parameters():
+            grad = safe_get_local_grad(p) if grads else None
+            yield grad, safe_get_local_fp32_param(p), lambda value, p=p: safe_set_local_grad(p, value)
 
     def forward_backward(
         self, input_ids, labels, weight: float, last: bool, attention_mask=None
@@ -337,6 +398,8 @@ class DeepSpeedBackend:
     def step(self, lr: float) -> float:
         for group in self.engine.basic_optimizer.param_groups:
             group["lr"] = lr
+        if self.proximal:
+            self.proximal.apply()
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
         if norm is None:
@@ -358,6 +421,13 @@ class DeepSpeedBackend:
 
     def load_extra_state(self, state: dict) -> None:
         pass
+
+    def save_optimizer(self, folder: Path) -> None:
+        raise ConfigError(
+            "federation.site_optimizer: keep needs backend fsdp; DeepSpeed's optimizer holds the weights"
+        )
+
+    load_optimizer = save_optimizer
 
     def full_state_dict(self) -> dict | None:
         if self.engine.zero_optimization_partition_weights():

@@ -294,6 +294,7 @@ class TrainOptions(_Options):
     betas: tuple[float, float]
     warmup_steps: int
     schedule: str
+    fedprox_mu: float
     grad_clip: float
     seed: int
     checkpoint_every: int
@@ -328,6 +329,11 @@ class TrainOptions(_Options):
             raise ConfigError(f"{where}offload_optimizer: needs backend deepspeed with zero_stage 1, 2 or 3")
         if self.sharding in ("hybrid", "hybrid_zero2") and not self.fsdp:
             raise ConfigError(f"{where}sharding: {self.sharding} is an fsdp mode; deepspeed uses zero_stage")
+        if self.fedprox_mu and deepspeed and self.zero_stage != 3:
+            raise ConfigError(
+                f"{where}fedprox_mu: needs backend fsdp or deepspeed with zero_stage 3 (its per-rank "
+                f"partitions); zero_stage is {self.zero_stage}"
+            )
         if self.deepspeed_extra and not deepspeed:
             raise ConfigError(f"{where}deepspeed_extra: given, but backend is {self.backend}")
         # Set by scripts/clusters/iris.sh: V100s have no bf16, and emulating it would be slow and silent.
@@ -396,6 +402,7 @@ class EvaluateOptions(_Options):
 
     SCHEMA = "evaluate.schema.yaml"
 
+    intermediate: str
     max_length: int
     stride: int | None
     batch_size: int
@@ -441,6 +448,9 @@ class RunConfig:
     aggregate: dict
     evaluate: EvaluateOptions
     rounds: int
+    lr_schedule: str
+    site_optimizer: str
+    pooled: TrainOptions | None
     aggregate_on: str
     remotes: dict
     sweep_site: str | None
@@ -521,6 +531,18 @@ def site_train_options(config: Mapping, site: str, *, source: str = "config") ->
     return TrainOptions.from_mapping(merged, source=source, prefix=f"sites.{site}.train")
 
 
+def _pooled_options(config: Mapping, sites: Mapping[str, Site], source: str) -> TrainOptions:
+    """The pooled baseline's training: the top-level train section over every site's data, with as many
+    blocks as the whole federation trains (every site, every round), so that it sees the same tokens."""
+    rounds = config["federation"]["rounds"]
+    base = TrainOptions.from_mapping(config["train"], source=source, prefix="train")
+    if all(site.train.max_steps is not None for site in sites.values()):
+        blocks = sum(rounds * site.train.max_steps * site.train.global_batch for site in sites.values())
+        return dataclasses.replace(base, max_steps=-(-blocks // base.global_batch))
+    # Epoch-based sites: as many passes over the pooled data as each site makes over its own.
+    return dataclasses.replace(base, max_steps=None, epochs=rounds * base.epochs)
+
+
 def build_run_config(config: dict, *, source: str = "config", base_dir: Path | None = None) -> RunConfig:
     """Validate `config` (defaults filled in place) with every rule, and return it as a RunConfig."""
     validate_section(config, MAIN_SCHEMA, source=source)
@@ -569,6 +591,22 @@ def build_run_config(config: dict, *, source: str = "config", base_dir: Path | N
             )
         points = _sweep_points(config, sweep_site, sites[sweep_site].train, source)
     federation = config["federation"]
+    if federation["site_optimizer"] == "keep":
+        for site in sites.values():
+            if not site.train.fsdp:
+                raise ConfigError(
+                    f"{source}: federation.site_optimizer: keep needs backend fsdp, but site {site.name} "
+                    "trains with deepspeed (whose optimizer also holds the weights)"
+                )
+    pooled = None
+    if federation["pooled_baseline"]:
+        clusters = sorted({site.cluster for site in sites.values()})
+        if len(clusters) > 1:
+            raise ConfigError(
+                f"{source}: federation.pooled_baseline: needs every site's training data on one cluster, "
+                f"but the sites train on {', '.join(clusters)}"
+            )
+        pooled = _pooled_options(config, sites, source)
     return RunConfig(
         raw=config,
         run=config["run"],
@@ -581,6 +619,9 @@ def build_run_config(config: dict, *, source: str = "config", base_dir: Path | N
         aggregate=config["aggregate"],
         evaluate=EvaluateOptions.from_mapping(config["evaluate"], source=source),
         rounds=federation["rounds"],
+        lr_schedule=federation["lr_schedule"],
+        site_optimizer=federation["site_optimizer"],
+        pooled=pooled,
         aggregate_on=federation["aggregate_on"] or next(iter(sites.values())).cluster,
         remotes=federation["remotes"],
         sweep_site=sweep_site,

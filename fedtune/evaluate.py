@@ -352,7 +352,8 @@ def _stride(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"{text!r} is neither a number nor none") from None
 
 
-OPTION_KEYS = tuple(EvaluateOptions.__dataclass_fields__)
+# The options of one evaluation; `intermediate` says which evaluations the workflow asks for.
+OPTION_KEYS = tuple(key for key in EvaluateOptions.__dataclass_fields__ if key != "intermediate")
 _UNSET = object()
 
 
@@ -423,7 +424,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             round_number=args.round,
             task=args.task,
             label_field=args.label_field,
-            **options.to_dict(),
+            **{key: getattr(options, key) for key in OPTION_KEYS},
         )
     except UserError as e:
         print(f"evaluate: error: {e}", file=sys.stderr)

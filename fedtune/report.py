@@ -32,6 +32,7 @@ from fedtune.config import CAUSAL_LM, CLASSIFICATION, UserError
 
 BASE = "base"
 AGGREGATE = "aggregate"
+POOLED = "pooled"
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,57 @@ def model_order(model: str, sites: Sequence[str]) -> tuple[int, int, str]:
         return (1, sites.index(model), model)
     if model == AGGREGATE:
         return (2, 0, model)
+    if model == POOLED:
+        return (4, 0, model)
     return (3, 0, model)
+
+
+def gap_table(table: pd.DataFrame, metrics: Metrics) -> pd.DataFrame:
+    """The federation gap per round, merged model and site: how many times worse than the pooled model
+    (trained on every site's data at once) the merged model is: perplexity / pooled perplexity, or for
+    classifiers pooled accuracy / accuracy. 1 is as good as pooling the data. Merged models are the
+    aggregate and any compared merge method (every model that is neither base, pooled nor a site)."""
+    sites = list(table.columns[2:])
+    pooled = table[table["model"] == POOLED]
+    if pooled.empty:
+        return pd.DataFrame(columns=["round", "model", *sites])
+    reference = pooled.iloc[0]
+    merged = table[~table["model"].isin([BASE, POOLED, *sites])]
+    rows = []
+    for _, row in merged.iterrows():
+        ratios = {}
+        for site in sites:
+            value, best = row[site], reference[site]
+            if pd.isna(value) or pd.isna(best):
+                ratios[site] = None
+            else:
+                ratios[site] = value / best if metrics.lower_is_better else best / value
+        rows.append({"round": row["round"], "model": row["model"], **ratios})
+    return pd.DataFrame(rows, columns=["round", "model", *sites])
+
+
+def gap_figure(gap: pd.DataFrame, path: Path) -> None:
+    """The gap of each merged model over the rounds, one line per (model, site), log scale."""
+    plt = _pyplot()
+    sites = list(gap.columns[2:])
+    fig, ax = plt.subplots(figsize=(6, 4), layout="constrained")
+    for m, (model, rows) in enumerate(gap.groupby("model", sort=False)):
+        rows = rows.sort_values("round")
+        for k, site in enumerate(sites):
+            style = "-" if model == AGGREGATE else ["--", ":", "-."][m % 3]
+            ax.plot(
+                rows["round"], rows[site], style, marker="o", color=f"C{k}", label=f"{model}, {site} test"
+            )
+    ax.axhline(1.0, color="grey", linewidth=1)
+    ax.set_xlabel("round")
+    ax.set_ylabel("gap to the pooled model (1 = as good)")
+    ax.set_yscale("log")
+    if len(gap):
+        ax.set_xticks(sorted(set(gap["round"])))
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def eval_table(results: Sequence[dict], metric: str) -> pd.DataFrame:
@@ -381,6 +432,17 @@ def report(
     write_text(
         paths["training_md"], markdown(train, digits={"wall_time_s": 1, "tokens_per_s": 0, "final_loss": 4})
     )
+    gap = gap_table(main, metrics)
+    if len(gap):
+        paths.update(gap_csv=out_dir / "gap.csv", gap_md=out_dir / "gap.md", gap_png=out_dir / "gap.png")
+        write_text(paths["gap_csv"], gap.to_csv(index=False))
+        write_text(
+            paths["gap_md"],
+            f"Federation gap: {metrics.main} of each merged model relative to the pooled model (trained on "
+            "every site's data at once with the same tokens); 1 is as good as pooling the data.\n\n"
+            + markdown(gap, digits={site: 2 for site in sites}),
+        )
+        gap_figure(gap, paths["gap_png"])
     heatmap(main, paths[f"{metrics.main}_png"], f"{metrics.title} on each site's test split", metrics)
     rounds_figure(main, paths["rounds_png"], metrics)
     loss_figure(losses, paths["loss_png"])

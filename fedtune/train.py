@@ -95,15 +95,39 @@ class TrainingProgress:
         return float(self.loss_rows[-1].split(",")[2]) if self.step else float("nan")
 
 
+@dataclass(frozen=True)
+class RoundPlan:
+    """Where this job sits in the federation. Round r trains steps (r-1)S ... rS-1 of the site's data
+    order (S steps a round), so R rounds see the blocks one run of RS steps sees. The learning rate
+    follows one schedule over all R rounds (continue) or starts over each round (restart)."""
+
+    round: int = 1
+    rounds: int = 1
+    lr_schedule: str = "continue"
+
+    def first_step(self, steps: int) -> int:
+        return (self.round - 1) * steps
+
+    def learning_rate(self, step: int, steps: int, options: TrainOptions) -> float:
+        """The rate of this round's step `step` (0-based) of `steps`."""
+        if self.lr_schedule == "continue":
+            step, steps = self.first_step(steps) + step, self.rounds * steps
+        return learning_rate(
+            step, lr=options.lr, total_steps=steps, warmup_steps=options.warmup_steps,
+            schedule=options.schedule, min_lr_ratio=options.min_lr_ratio,
+        )  # fmt: skip
+
+
 @dataclass
 class Setup:
     """Everything the loop reads and nothing it changes."""
 
     args: argparse.Namespace
     options: TrainOptions
+    plan: RoundPlan
     blocks: Blocks
     order: BlockOrder
-    total_steps: int
+    total_steps: int  # this round's
     task: str
     job: object  # fedtune.distributed.Job
     backend: object  # a fedtune.backends.Backend
@@ -113,10 +137,18 @@ class Setup:
     def tokens_per_step(self) -> int:
         return self.options.global_batch * self.blocks.block_size
 
+    @property
+    def first_step(self) -> int:
+        """This round's first step in the site's data order."""
+        return self.plan.first_step(self.total_steps)
 
-def run_identity(options: TrainOptions, init: Path, blocks: Blocks, world_size: int) -> dict:
+
+def run_identity(options: TrainOptions, plan: RoundPlan, init: Path, blocks: Blocks, world_size: int) -> dict:
     """What a checkpoint must share with this run to be resumed by it."""
     return {
+        "round": plan.round,
+        "rounds": plan.rounds,
+        "lr_schedule": plan.lr_schedule,
         "backend": options.backend,
         "seed": options.seed,
         "global_batch": options.global_batch,
@@ -138,11 +170,12 @@ def peak_memory_mb(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def setup(args, options: TrainOptions) -> Setup:
+def setup(args, options: TrainOptions, plan: RoundPlan) -> Setup:
     import torch
 
     # Data first: cheap to open (memory-mapped), so batch-size mistakes surface before the model loads.
-    blocks = Blocks(manifest_shards(args.manifest))
+    shards = [shard for manifest in args.manifest for shard in manifest_shards(manifest)]
+    blocks = Blocks(shards)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     order = BlockOrder(len(blocks), options.global_batch, options.micro_batch, world_size, options.seed)
     task = CLASSIFICATION if blocks.classification else CAUSAL_LM
@@ -154,7 +187,7 @@ def setup(args, options: TrainOptions) -> Setup:
         )
     if job.local_rank == 0:
         # Sizes and checksums recorded by tokenize: a corrupted shard is named, not trained on.
-        for shard in manifest_shards(args.manifest):
+        for shard in shards:
             verify_shard(shard)
     started_by = "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "direct start"
     say(f"rank {job.rank}/{job.world_size} on host {job.hostname} ({job.device}, {started_by})")
@@ -165,16 +198,19 @@ def setup(args, options: TrainOptions) -> Setup:
     )
     model.config.use_cache = False
     backend = backends.build(model, options, job, order.accumulation)
+    if args.optimizer_in:
+        backend.load_optimizer(Path(args.optimizer_in))
     return Setup(
         args=args,
         options=options,
+        plan=plan,
         blocks=blocks,
         order=order,
         total_steps=options.total_steps(order.steps_per_epoch),
         task=task,
         job=job,
         backend=backend,
-        identity=run_identity(options, Path(args.init), blocks, job.world_size),
+        identity=run_identity(options, plan, Path(args.init), blocks, job.world_size),
     )
 
 
@@ -203,7 +239,7 @@ def save_checkpoint(run: Setup, progress: TrainingProgress, started: float) -> N
     trainer = {
         **progress.state_dict(),
         "wall_time_s": progress.wall_time_s + time.time() - started,
-        "position": run.order.position(progress.step),
+        "position": run.order.position(run.first_step + progress.step),
         "total_steps": run.total_steps,
         "world_size": run.job.world_size,
         "identity": run.identity,
@@ -217,7 +253,8 @@ def save_checkpoint(run: Setup, progress: TrainingProgress, started: float) -> N
 
 
 def train_step(run: Setup, step: int, lr: float, stop: StopRequest) -> tuple[float, float, int, bool]:
-    """One optimizer step over `global_batch` blocks: (loss, grad norm, target tokens, stop now)."""
+    """One optimizer step over the `global_batch` blocks at position `step` of the data order:
+    (loss, grad norm, target tokens, stop now)."""
     import torch
 
     blocks, order, job, backend = run.blocks, run.order, run.job, run.backend
@@ -242,7 +279,7 @@ def train_step(run: Setup, step: int, lr: float, stop: StopRequest) -> tuple[flo
     return totals[0].item() / step_tokens, grad_norm, step_tokens, totals[1].item() > 0
 
 
-def train(args, options: TrainOptions) -> int:
+def train(args, options: TrainOptions, plan: RoundPlan = RoundPlan()) -> int:
     import warnings
 
     # DeepSpeed calls these deprecated collectives on every step; one warning per call would bury the log.
@@ -251,11 +288,12 @@ def train(args, options: TrainOptions) -> int:
     )
     stop = StopRequest()
     started = time.time()
-    run = setup(args, options)
-    job, order, total = run.job, run.order, run.total_steps
+    run = setup(args, options, plan)
+    job, order, total, first = run.job, run.order, run.total_steps, run.first_step
     if job.is_main:
         say(
-            f"training {args.site}: {len(run.blocks)} blocks of {run.blocks.block_size} tokens, "
+            f"training {args.site}, round {plan.round} of {plan.rounds} from step {first} of its data: "
+            f"{len(run.blocks)} blocks of {run.blocks.block_size} tokens, "
             f"{total} steps of {options.global_batch} blocks ({run.tokens_per_step} tokens) = "
             f"{options.micro_batch} micro x {job.world_size} ranks x {order.accumulation} accumulation; "
             f"backend {options.backend}, precision {options.precision}",
@@ -265,24 +303,21 @@ def train(args, options: TrainOptions) -> int:
 
     while progress.step < total:
         t0 = time.perf_counter()
-        lr = learning_rate(
-            progress.step, lr=options.lr, total_steps=total, warmup_steps=options.warmup_steps,
-            schedule=options.schedule, min_lr_ratio=options.min_lr_ratio,
-        )  # fmt: skip
-        loss, grad_norm, step_tokens, stop_now = train_step(run, progress.step, lr, stop)
+        lr = plan.learning_rate(progress.step, total, options)
+        loss, grad_norm, step_tokens, stop_now = train_step(run, first + progress.step, lr, stop)
         progress.step += 1
         progress.tokens_trained += step_tokens
         step, dt, peak = progress.step, time.perf_counter() - t0, peak_memory_mb(job.device)
         tokens_per_s = run.tokens_per_step / dt
         # The epoch (1-based) this step's blocks come from, for loss-per-epoch tables.
-        epoch = order.position(step - 1)["epoch"] + 1
+        epoch = order.position(first + step - 1)["epoch"] + 1
         progress.loss_rows.append(
             f"{step},{epoch},{loss:.6f},{lr:.6e},{grad_norm:.6f},{tokens_per_s:.1f},{peak:.1f}\n"
         )
         if job.is_main and (step % options.log_every == 0 or step == total or step == 1):
             say(
                 f"step {step}/{total} | loss {loss:.4f} | lr {lr:.2e} | grad_norm {grad_norm:.3f} | "
-                f"{tokens_per_s:,.0f} tok/s | peak {peak:,.0f} MB | epoch {step / order.steps_per_epoch:.2f}"
+                f"{tokens_per_s:,.0f} tok/s | peak {peak:,.0f} MB | epoch {(first + step) / order.steps_per_epoch:.2f}"
             )
         every = options.checkpoint_every
         # The last step is saved too: an export that fails can be redone without training again.
@@ -293,6 +328,9 @@ def train(args, options: TrainOptions) -> int:
             return EXIT_RETRY
 
     export(run, progress, started)
+    if args.optimizer_out:
+        # Collective: the site's optimizer state for its next round (federation.site_optimizer keep).
+        run.backend.save_optimizer(Path(args.optimizer_out))
     distributed.barrier()
     if options.remove_checkpoints and job.is_main:
         checkpoint.remove_all(Path(args.checkpoints))
@@ -305,6 +343,10 @@ def summary(run: Setup, progress: TrainingProgress, started: float) -> dict:
     return {
         "site": args.site,
         "task": run.task,
+        "round": run.plan.round,
+        "rounds": run.plan.rounds,
+        "lr_schedule": run.plan.lr_schedule,
+        "first_step": run.first_step,
         "steps": progress.step,
         "epochs": progress.step / order.steps_per_epoch,
         "steps_per_epoch": order.steps_per_epoch,
@@ -326,6 +368,8 @@ def summary(run: Setup, progress: TrainingProgress, started: float) -> dict:
         "block_size": run.blocks.block_size,
         "blocks": len(run.blocks),
         "init": str(args.init),
+        "manifests": [str(m) for m in args.manifest],
+        "optimizer_state": "kept" if args.optimizer_in else "new",
         "options": options.to_dict(),
     }
 
@@ -357,12 +401,23 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m fedtune.train", description=__doc__.split("\n\n")[0])
     parser.add_argument("--site", required=True, help="site name, recorded in training.json")
     parser.add_argument("--init", required=True, type=Path, help="model folder to start from (HF format)")
-    parser.add_argument("--manifest", required=True, type=Path, help="the site's tokenize manifest.json")
+    parser.add_argument(
+        "--manifest", required=True, type=Path, nargs="+",
+        help="the site's tokenize manifest.json (several: their blocks train as one data set, the pooled baseline)",
+    )  # fmt: skip
     parser.add_argument("--options", required=True, help="train options as JSON (train.schema.yaml)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--checkpoints", required=True, type=Path, help="folder of resumable checkpoints")
     parser.add_argument("--out", required=True, type=Path, help="exported model folder")
     parser.add_argument("--allow-pickle", action="store_true", help="accept .bin weights in --init")
+    parser.add_argument("--round", type=int, default=1, help="federation round of this job (1-based)")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds of the federation")
+    parser.add_argument(
+        "--lr-schedule", choices=["continue", "restart"], default="continue",
+        help="one learning-rate schedule over all rounds (continue) or one per round (restart)",
+    )  # fmt: skip
+    parser.add_argument("--optimizer-in", type=Path, help="optimizer state of the site's previous round")
+    parser.add_argument("--optimizer-out", type=Path, help="where to save the optimizer state at the end")
     parser.add_argument(
         "--summary-only",
         action="store_true",
@@ -375,7 +430,10 @@ def main(argv=None) -> int:
     offline.enforce()
     args = parse_args(argv)
     try:
-        code = train(args, TrainOptions.from_json(args.options, source="--options"))
+        if not 1 <= args.round <= args.rounds:
+            raise ConfigError(f"--round: {args.round} is not in 1..{args.rounds} (--rounds)")
+        plan = RoundPlan(args.round, args.rounds, args.lr_schedule)
+        code = train(args, TrainOptions.from_json(args.options, source="--options"), plan)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USER_ERROR

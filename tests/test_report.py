@@ -111,3 +111,32 @@ def test_labelled_paths():
     assert parse_labelled("3:beta=/x/y=z.json", "--loss")[:2] == (3, "beta")
     with pytest.raises(ReportError, match="ROUND:SITE=PATH"):
         parse_labelled("beta=/x.json", "--loss")
+
+
+def test_the_gap_to_the_pooled_model_per_round_and_merged_model(tmp_path):
+    """gap.csv: each merged model's perplexity over the pooled model's, per round and site; a compared
+    merge method gets rows of its own; site models and the base get none."""
+    evals = write_evals(tmp_path)
+    pooled = {"alpha": 20.0, "beta": 40.0}
+    for site, ppl in pooled.items():
+        path = tmp_path / f"pooled-{site}.json"
+        path.write_text(json.dumps({"model": "pooled", "round": 2, "site": site, "perplexity": ppl}))
+        evals.append(path)
+    ties = tmp_path / "ties.json"
+    ties.write_text(json.dumps({"model": "ties", "round": 2, "site": "alpha", "perplexity": 30.0}))
+    paths = report(tmp_path / "out", [*evals, ties])
+    gap = pd.read_csv(paths["gap_csv"])
+    main = pd.read_csv(paths["perplexity_csv"])
+    assert list(gap["model"]) == ["aggregate", "aggregate", "ties"] and list(gap["round"]) == [1, 1 + 1, 2]
+    for _, row in gap[gap["model"] == "aggregate"].iterrows():
+        merged = main[(main["round"] == row["round"]) & (main["model"] == "aggregate")].iloc[0]
+        for site, ppl in pooled.items():
+            assert row[site] == pytest.approx(merged[site] / ppl)
+    assert gap[gap["model"] == "ties"].iloc[0]["alpha"] == pytest.approx(1.5)
+    assert main["model"].iloc[-1] == "pooled"  # the pooled model is the table's last row
+    assert paths["gap_png"].stat().st_size > 0 and "pooled model" in paths["gap_md"].read_text()
+
+
+def test_no_pooled_model_no_gap(tmp_path):
+    paths = report(tmp_path / "out", write_evals(tmp_path))
+    assert "gap_csv" not in paths and not (tmp_path / "out" / "gap.csv").exists()

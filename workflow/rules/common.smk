@@ -119,6 +119,14 @@ def site_model_dir(round, site):
     return run_path(f"round-{round}", site, "model")
 
 
+def site_optimizer_dir(round, site):
+    return run_path(f"round-{round}", site, "optimizer")
+
+
+def pooled_model_dir():
+    return run_path("pooled", "model")
+
+
 def aggregate_model_dir(round):
     return run_path(f"round-{round}", "aggregate", "model")
 
@@ -137,19 +145,67 @@ SWEEP_HERE = bool(SWEEP_POINTS) and RUN.sweep_site in LOCAL_SITES
 
 
 def train_job_options(wildcards):
-    """The TrainOptions of a train job, or of a sweep job (which has a `label` wildcard)."""
+    """The TrainOptions of a train job, a sweep job (which has a `label` wildcard) or the pooled
+    baseline's (no site wildcard)."""
     if "label" in wildcards.keys():
         return SWEEP_POINTS[wildcards.label].options
+    if "site" not in wildcards.keys():
+        return RUN.pooled
     return RUN.sites[wildcards.site].train
 
 
 def train_launch_args(wildcards):
     options = train_job_options(wildcards)
+    cluster = site_cluster(wildcards.site if "site" in wildcards.keys() else SITES[0])
     return (
-        f"--cluster {site_cluster(wildcards.site)} --launcher {options.job_launcher}"
+        f"--cluster {cluster} --launcher {options.job_launcher}"
         f" --nodes {options.nodes} --procs-per-node {options.processes_per_node}"
         f" --cpus-per-task {options.cpus_per_task}"
     )
+
+
+# federation.site_optimizer keep: each round also saves the site's optimizer state for the next.
+KEEP_OPTIMIZER = RUN.site_optimizer == "keep"
+OPTIMIZER_OUTPUT = (
+    {"optimizer": directory(site_optimizer_dir("{round}", "{site}"))}
+    if KEEP_OPTIMIZER
+    else {}
+)
+
+
+def round_args(wildcards):
+    """Where the job sits in the federation, and the optimizer state it continues and leaves."""
+    args = f"--round {wildcards.round} --rounds {RUN.rounds} --lr-schedule {RUN.lr_schedule}"
+    if KEEP_OPTIMIZER:
+        args += (
+            f" --optimizer-out {site_optimizer_dir(wildcards.round, wildcards.site)}"
+        )
+        if int(wildcards.round) > 1:
+            previous = site_optimizer_dir(int(wildcards.round) - 1, wildcards.site)
+            args += f" --optimizer-in {previous}"
+    return args
+
+
+def previous_optimizer(wildcards):
+    if not KEEP_OPTIMIZER or int(wildcards.round) == 1:
+        return []
+    return [site_optimizer_dir(int(wildcards.round) - 1, wildcards.site)]
+
+
+# Evaluate jobs.
+EVAL_MODELS = [*SITES, "aggregate"]
+
+
+def round_models(round):
+    """The models evaluated after `round`: all of the last round's, and before it what
+    evaluate.intermediate says."""
+    if round == ROUNDS[-1] or RUN.evaluate.intermediate == "all":
+        return EVAL_MODELS
+    return ["aggregate"] if RUN.evaluate.intermediate == "aggregate" else []
+
+
+def pooled_eval(site):
+    return run_path("pooled", "eval", f"{site}.json")
 
 
 def remote_source(cluster, relative, target):

@@ -1,15 +1,17 @@
 # evaluate: perplexity of the base model, every site model and every aggregate on each site's test text.
 import re
 
-EVAL_MODELS = [*SITES, "aggregate"]
-
 # Every evaluation result, base model first (the report's inputs).
-EVAL_RESULTS = [run_path("eval", "base", f"{site}.json") for site in SITES] + [
-    run_path(f"round-{r}", "eval", model, f"{site}.json")
-    for r in ROUNDS
-    for model in EVAL_MODELS
-    for site in SITES
-]
+EVAL_RESULTS = (
+    [run_path("eval", "base", f"{site}.json") for site in SITES]
+    + [
+        run_path(f"round-{r}", "eval", model, f"{site}.json")
+        for r in ROUNDS
+        for model in round_models(r)
+        for site in SITES
+    ]
+    + ([pooled_eval(site) for site in SITES] if RUN.pooled else [])
+)
 
 # The text is built as the tokenize stage builds it: same template, same BOS choice.
 EVAL_BOS = "--add-bos" if RUN.tokenize["add_bos"] else "--no-add-bos"
@@ -70,3 +72,19 @@ use rule evaluate_base as evaluate_round with:
     params:
         label=lambda wc: wc.model,
         round=lambda wc: wc.round,
+
+
+if RUN.pooled:
+
+    use rule evaluate_base as evaluate_pooled with:
+        input:
+            model=pooled_model_dir(),
+            data=raw_data_dir("{site}"),
+        output:
+            pooled_eval("{site}"),
+        log:
+            log_path("evaluate", "pooled", "{site}"),
+        params:
+            label="pooled",
+            # Beside the last round's models, whose tokens it has seen.
+            round=RUN.rounds,

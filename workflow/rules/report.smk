@@ -6,7 +6,7 @@ TRAINING_SUMMARIES = [
     f"{r}:{site}={site_model_dir(r, site)}/training.json"
     for r in ROUNDS
     for site in SITES
-]
+] + ([f"{ROUNDS[-1]}:pooled={pooled_model_dir()}/training.json"] if RUN.pooled else [])
 LOSS_CURVES = [
     f"{r}:{site}={site_model_dir(r, site)}/loss.csv" for r in ROUNDS for site in SITES
 ]
@@ -14,14 +14,29 @@ LOSS_CURVES = [
 REPORT_SECOND = "macro_f1" if CLASSIFICATION else "bits_per_byte"
 REPORT_TITLE = "Accuracy" if CLASSIFICATION else "Perplexity"
 HEATMAP_CAPTION = "heatmap_accuracy.rst" if CLASSIFICATION else "heatmap.rst"
+# With the pooled baseline: the federation gap, merged model against pooled model, per round and site.
+GAP_OUTPUTS = (
+    {
+        name: report(
+            run_path("report", f"gap.{ext}"),
+            caption="../report/gap.rst",
+            category="Federation gap",
+        )
+        for name, ext in (("gap", "csv"), ("gap_md", "md"), ("gap_png", "png"))
+    }
+    if RUN.pooled
+    else {}
+)
 
 
 rule report:
     input:
         evals=EVAL_RESULTS,
         # training.json and loss.csv live inside these folders (directory outputs of train).
-        models=[site_model_dir(r, site) for r in ROUNDS for site in SITES],
+        models=[site_model_dir(r, site) for r in ROUNDS for site in SITES]
+        + ([pooled_model_dir()] if RUN.pooled else []),
     output:
+        **GAP_OUTPUTS,
         main=report(
             run_path("report", f"{REPORT_METRIC}.csv"),
             caption=f"../report/{REPORT_METRIC}.rst",

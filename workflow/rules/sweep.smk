@@ -10,8 +10,9 @@ use rule train as train_sweep with:
         init=base_model_dir(),
         manifest=lambda wc: manifest_path(wc.site),
         shards=lambda wc: shard_dirs(wc.site, "train"),
+        optimizer=[],
     output:
-        directory(run_path("sweep", "{site}", "{label}")),
+        model=directory(run_path("sweep", "{site}", "{label}")),
     log:
         log_path("train_sweep", "{site}", "{label}"),
     wildcard_constraints:
@@ -21,6 +22,7 @@ use rule train as train_sweep with:
     params:
         # Beside the output, not in it: Snakemake deletes the outputs of a failed job.
         checkpoints=lambda wc: run_path("sweep", wc.site, "checkpoints", wc.label),
+        round_args="",
         summary_only="--summary-only",
 
 

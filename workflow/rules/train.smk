@@ -3,7 +3,7 @@
 # after a checkpoint forced by SIGUSR1/SIGTERM, and a retry resumes from the newest checkpoint.
 # Conda but no container: under apptainer the whole shell, scripts/launch's srun included, would run
 # inside the image, which has no Slurm. Resources come from train_job_options (common.smk), so that
-# train_sweep (sweep.smk) reuses this rule with its own options.
+# train_sweep (sweep.smk) and train_pooled reuse this rule with their own options.
 
 
 rule train:
@@ -11,8 +11,10 @@ rule train:
         init=lambda wc: init_model_dir(wc.round),
         manifest=lambda wc: manifest_path(wc.site),
         shards=lambda wc: shard_dirs(wc.site, "train"),
+        optimizer=previous_optimizer,
     output:
-        directory(site_model_dir("{round}", "{site}")),
+        **OPTIMIZER_OUTPUT,
+        model=directory(site_model_dir("{round}", "{site}")),
     log:
         log_path("train", "round-{round}", "{site}"),
     wildcard_constraints:
@@ -35,14 +37,36 @@ rule train:
     params:
         launcher=LAUNCH,
         launch=train_launch_args,
+        site=lambda wc: wc.site,
         options=lambda wc: train_job_options(wc).to_json(),
         dtype=config["model"]["dtype"],
         checkpoints=lambda wc: run_path(f"round-{wc.round}", wc.site, "checkpoints"),
         pickle="--allow-pickle" if config["model"]["allow_pickle"] else "",
+        round_args=round_args,
         summary_only="",
     shell:
         # Appended, not overwritten: a resumed attempt keeps the log of the one it continues.
-        "{params.launcher:q} {params.launch} -- python -m fedtune.train --site {wildcards.site}"
+        "{params.launcher:q} {params.launch} -- python -m fedtune.train --site {params.site}"
         " --init {input.init:q} --manifest {input.manifest:q} --options {params.options:q}"
-        " --dtype {params.dtype} --checkpoints {params.checkpoints:q} --out {output:q}"
-        " {params.pickle} {params.summary_only} >> {log:q} 2>&1"
+        " --dtype {params.dtype} --checkpoints {params.checkpoints:q} --out {output.model:q}"
+        " {params.round_args} {params.pickle} {params.summary_only} >> {log:q} 2>&1"
+
+
+# The pooled baseline (federation.pooled_baseline): every site's training data at once, from the base
+# model, as many blocks as the whole federation trains; evaluated beside the rounds' models.
+if RUN.pooled:
+
+    use rule train as train_pooled with:
+        input:
+            init=base_model_dir(),
+            manifest=[manifest_path(site) for site in SITES],
+            shards=[d for site in SITES for d in shard_dirs(site, "train")],
+        output:
+            model=directory(pooled_model_dir()),
+        log:
+            log_path("train", "pooled"),
+        retries: RUN.pooled.retries
+        params:
+            site="pooled",
+            checkpoints=run_path("pooled", "checkpoints"),
+            round_args="",
