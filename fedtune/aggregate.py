@@ -653,7 +653,7 @@ def _write_merged(
                 base = reader.get(start_i, tensor.name)
                 if fedavg:
                     n = tensor.numel
-                    delta = weighted_mean(sources, weights, acc[:n], scratch[:n]).sub_(base)
+                    delta = merge(base, sources, weights, params, acc[:n], scratch[:n])
                 else:
                     delta = merge(base, sources, weights, {**params, "name": tensor.name})
                 if slots:

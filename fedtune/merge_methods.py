@@ -61,11 +61,30 @@ def weighted_mean(
     return acc
 
 
-def fedavg(base: torch.Tensor, sites: Sequence[torch.Tensor], weights: Sequence[float], params: Params):
-    """The weighted mean's task vector: sum_i w_i (site_i - base)."""
+def fedavg(
+    base: torch.Tensor,
+    sites: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    params: Params,
+    acc: torch.Tensor | None = None,
+    tmp: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The weighted mean's task vector, sum_i w_i (site_i - base) / sum_i w_i, into `acc` if given.
+
+    Each difference is taken before weighting: sites close to the base then lose no precision to
+    cancellation, as (mean - base) would."""
     n = base.numel()
-    mean = weighted_mean(sites, weights, torch.empty(n), torch.empty(n))
-    return mean.sub_(base)
+    acc = torch.empty(n) if acc is None else acc
+    tmp = torch.empty(n) if tmp is None else tmp
+    acc.zero_()
+    total = float(sum(weights))
+    for src, weight in zip(sites, weights, strict=True):
+        if weight == 0:
+            continue
+        tmp.copy_(src)
+        tmp.sub_(base)
+        acc.add_(tmp, alpha=weight / total)
+    return acc
 
 
 def task_arithmetic(base, sites, weights, params):
