@@ -135,15 +135,18 @@ def _generalized(base, sites, weights, params, *, sparsify, consensus: bool, nor
             delta = sparsify(delta, params, generator)
         weighted.append(delta.mul_(float(weight)))
     if consensus:
-        total = torch.stack(weighted).sum(dim=0) if len(weighted) > 1 else weighted[0].clone()
+        total = weighted[0].clone()
+        for delta in weighted[1:]:
+            total.add_(delta)
         majority = (total >= 0).float().mul_(2).sub_(1)
+        del total
         mixed = torch.zeros_like(base)
         divisor = torch.zeros_like(base)
         for delta, weight in zip(weighted, weights, strict=True):
             mask = delta.sign() == majority
-            mixed.add_(delta * mask)
-            divisor.add_(mask.float().mul_(float(weight)))
-        del total, majority
+            mixed.add_(delta.mul_(mask))
+            divisor.add_(mask, alpha=float(weight))
+        del majority
         divisor[divisor == 0] = 1
     else:
         mixed = weighted[0]

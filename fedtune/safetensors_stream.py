@@ -410,9 +410,9 @@ class ShardWriter:
 
 
 class ShardedOutput:
-    """A planned set of output shards filled in plan order: `slot(t)` hands out a buffer for tensor t
-    (opening its shard first when t is the shard's first tensor), `put(t, slot)` queues it for writing
-    (and closes the shard after its last tensor). Two buffers: one being written while the next tensor
+    """A planned set of output shards filled in plan order: `slot(t)` hands out a buffer for tensor t,
+    `put(t, slot)` queues it for writing (opening its shard before the shard's first tensor, closing it
+    after its last). Two buffers: one being written while the next tensor
     is computed into the other; reusing them saves the page faults of fresh allocations."""
 
     SLOTS = 2
@@ -441,14 +441,13 @@ class ShardedOutput:
 
     def slot(self, tensor: OutTensor) -> tuple[int, torch.Tensor]:
         """A free buffer for `tensor`, viewed flat in its dtype."""
-        s, k = self.where[tensor.name]
-        if k == 0:
-            self.writer.open(self.out_dir / self.names[s], shard_header(self.plan[s], self.metadata))
         slot = self.writer.take_slot()
         return slot, self.buffers[slot][: tensor.nbytes].view(tensor.dtype)
 
     def put(self, tensor: OutTensor, slot: int) -> None:
         s, k = self.where[tensor.name]
+        if k == 0:
+            self.writer.open(self.out_dir / self.names[s], shard_header(self.plan[s], self.metadata))
         self.writer.write(slot, as_bytes(self.buffers[slot][: tensor.nbytes]))
         self.weight_map[tensor.name] = self.names[s]
         self.total_bytes += tensor.nbytes
