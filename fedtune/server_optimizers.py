@@ -100,17 +100,18 @@ def step(
     _decay(m, state.get("m"), b1).add_(delta, alpha=1 - b1)
     v_old = state.get("v")
     v = out["v"]
-    square = delta.mul_(delta)  # delta is not needed any more
     if name == "fedadam":
-        _decay(v, v_old, b2).add_(square, alpha=1 - b2)
+        _decay(v, v_old, b2).addcmul_(delta, delta, value=1 - b2)
     elif name == "fedadagrad":
         v.zero_() if v_old is None else v.copy_(v_old)
-        v.add_(square)
+        v.addcmul_(delta, delta)
     else:  # fedyogi
         v.zero_() if v_old is None else v.copy_(v_old)
+        square = delta.mul_(delta)  # delta is not needed any more
         sign = torch.sign(v - square)
         v.sub_(square.mul_(sign), alpha=1 - b2)
-    update = torch.sqrt(v).add_(optimizer.tau)
+    # delta's memory is free now: the update goes there.
+    update = torch.sqrt(v, out=delta).add_(optimizer.tau)
     return torch.div(m, update, out=update).mul_(optimizer.lr)
 
 

@@ -156,3 +156,11 @@ def test_start_model_must_hold_the_same_tensors(tmp_path):
     start = write_checkpoint(tmp_path / "start", {"w": base[:4]})
     with pytest.raises(AggregateError, match="the start model .* tensor shapes differ"):
         aggregate(models, tmp_path / "out", weights="uniform", method="ties", density=0.5, start=start)
+
+
+def test_kth_largest_is_exact_on_large_tensors_with_ties():
+    # Rounded to fp16, 1.5M values share a few thousand magnitudes: many ties at every cut.
+    values = torch.randn(1_500_000, generator=torch.Generator().manual_seed(8)).half().float().abs()
+    n = values.numel()
+    for k in (1, 2, 1000, n // 3, n // 2, n - 5, n):
+        assert merge_methods.kth_largest(values, k) == torch.kthvalue(values, n - k + 1).values, k
