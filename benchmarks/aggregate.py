@@ -9,7 +9,12 @@ cache:
 - floor: reading every input (`cat > /dev/null`) plus writing the output's size with fsync;
 - fedtune: `python -m fedtune.aggregate` (streaming, sha256 of inputs and outputs included);
 - naive: the published run's way: from_pretrained every site, average the state dicts in fp32,
-  save_pretrained.
+  save_pretrained;
+- ties: `--method ties --density 0.5 --start START` (a third checkpoint as the round's start), against
+  its own floor: reading the sites and the start, writing the output;
+- fedadam: the second round of `--server-optimizer fedadam` (the first, unmeasured, writes the state),
+  reading the sites, the start and the fp32 state (m, v), writing the output and the new state; its
+  floor counts the state's read and write.
 
 Wall time is the whole process (interpreter start and imports included). Memory is the peak of RssAnon
 (private anonymous memory, sampled every 5 ms from /proc/<pid>/status): memory-mapped input pages are
@@ -222,6 +227,9 @@ def main() -> int:
     parser.add_argument("--shard-size", default="1GB", help="input and output shard size")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/fedtune-bench"))
     parser.add_argument("--skip-naive", action="store_true")
+    parser.add_argument(
+        "--skip-methods", action="store_true", help="measure fedavg (and naive) only, not ties and fedadam"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints and outputs")
     args = parser.parse_args()
 
@@ -289,11 +297,68 @@ def main() -> int:
             "memory_limit_mb": round(budget / 1e6, 1),
             "memory_ok": result["fedtune"]["peak_rss_anon_mb"] * 1e6 <= budget,
         }
+        if not args.skip_methods:
+            fixed = min(shard_bytes, out_bytes) + 300e6
+            budgets = {
+                # sparsified task vector per site, kthvalue's copy and indices, sign, sums, output slots
+                "ties": fixed + (args.sites + 7) * largest_fp32,
+                # fedavg's two fp32 buffers, two state slots, the update, two output slots
+                "fedadam": fixed + 6 * largest_fp32,
+            }
+            result.update(method_runs(args, work, sites, inputs, out_bytes, shard_bytes, budgets, python))
         print(json.dumps(result, indent=2))
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+def method_runs(args, work, sites, inputs, out_bytes, shard_bytes, budgets, python) -> dict:
+    """ties and the second round of fedadam, each against its own floor, from a cold cache."""
+    start = work / "start"
+    make_checkpoint(start, args.layers, seed=99, shard_bytes=shard_bytes)
+    start_files = sorted(start.glob("*.safetensors"))
+    base = [python, "-m", "fedtune.aggregate", "--weights", "uniform", "--dtype", "float16"]
+    base += ["--max-shard-size", args.shard_size, "--start", str(start), "--model"]
+    base += [f"site{k}={site}" for k, site in enumerate(sites)]
+    runs: dict = {}
+
+    files = inputs + start_files
+    drop_cache(files)
+    floor_ties = floor(files, out_bytes, work / "floor.bin")
+    drop_cache(files)
+    ties = run_measured(
+        [*base, "--out", str(work / "ties"), "--method", "ties", "--density", "0.5"], work / "ties.log"
+    )
+    runs["ties"] = {"floor": floor_ties, **ties}
+
+    adam = ["--server-optimizer", '{"name": "fedadam", "lr": 0.01}']
+    run_measured(
+        [*base, "--out", str(work / "adam1"), *adam, "--server-state-out", str(work / "state1")],
+        work / "adam1.log",
+    )
+    shutil.rmtree(work / "adam1")
+    state_files = sorted((work / "state1").glob("*.safetensors"))
+    state_bytes = sum(p.stat().st_size for p in state_files)
+    files = inputs + start_files + state_files
+    drop_cache(files)
+    floor_adam = floor(files, out_bytes + state_bytes, work / "floor.bin")
+    drop_cache(files)
+    cmd = [*base, "--out", str(work / "adam2"), *adam]
+    cmd += ["--server-state-in", str(work / "state1"), "--server-state-out", str(work / "state2")]
+    adam2 = run_measured(cmd, work / "adam2.log")
+    runs["fedadam"] = {"floor": floor_adam, "state_bytes": state_bytes, **adam2}
+    for name, run in runs.items():
+        run["in_process_s"] = json.loads(
+            (work / ("ties" if name == "ties" else "adam2") / "aggregate.json").read_text()
+        )["wall_time_s"]
+        run["targets"] = {
+            "wall_limit_s": round(2 * run["floor"]["wall_s"], 2),
+            "wall_ok": run["wall_s"] <= 2 * run["floor"]["wall_s"],
+            "memory_limit_mb": round(budgets[name] / 1e6, 1),
+            "memory_ok": run["peak_rss_anon_mb"] * 1e6 <= budgets[name],
+        }
+    return runs
 
 
 def outputs_match(a: Path, b: Path) -> bool:

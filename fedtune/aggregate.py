@@ -1,9 +1,11 @@
-"""Merge the site models of a round into one model (FedAvg), streaming tensor by tensor.
+"""Merge the site models of a round into one model, streaming tensor by tensor: the CLI, the checks
+that the sites line up, the weights, the server optimizer's state, and the provenance record
+(aggregate.json).
 
-Nothing here loads a whole model. The inputs are memory-mapped with `safetensors.safe_open`; each tensor
-is averaged in fp32 in a few reusable buffers and written straight into its output shard, whose header
-is planned up front from the input headers. Private memory therefore stays near three copies of the
-largest tensor in fp32, whatever the model size, so a 7B merge fits on a login node.
+Nothing here loads a whole model: fedtune.safetensors_stream reads and writes tensor by tensor, and each
+tensor goes through a merge method of fedtune.merge_methods and a server optimizer of
+fedtune.server_optimizers. Private memory therefore stays near a few copies of the largest tensor in
+fp32, whatever the model size, so a 7B merge fits on a login node.
 
 Before any of that, every site must agree on tensor names, shapes and dtypes, on the model config and on
 the tokenizer: averaging models that do not line up gives a model that loads and is garbage."""
@@ -11,19 +13,14 @@ the tokenizer: averaging models that do not line up gives a model that loads and
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import contextlib
-import hashlib
 import json
 import os
-import queue
 import re
 import shutil
-import struct
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -31,13 +28,24 @@ import torch
 from fedtune import offline
 from fedtune.atomic import atomic_dir, write_json
 from fedtune.checksums import sha256_file
+from fedtune.merge_methods import METHODS, RESCALES, weighted_mean
 from fedtune.models import ModelError, record_checksums, verify_checksums
+from fedtune.safetensors_stream import (
+    ST_DTYPES,
+    FolderReader,
+    OutTensor,
+    ShardedOutput,
+    WeightFolder,
+    WeightsError,
+    file_order,
+    listing,
+    plan_shards,
+    read_weights,
+)
+from fedtune.server_optimizers import ServerOptimizer, step
 
-METHODS = ("fedavg",)
 OUTPUT_DTYPES = ("float32", "bfloat16", "float16", "auto")
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 # Copied from the first site into the merged model; the tokenizer ones must agree between sites.
 TOKENIZER_FILES = (
@@ -67,58 +75,14 @@ CONFIG_IGNORED = {
 TOKENIZER_JSON_IGNORED = {"truncation", "padding"}
 TOKENIZER_CONFIG_IGNORED = {"name_or_path"}
 
-ST_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
-ST_NAMES = {dtype: name for name, dtype in ST_DTYPES.items()}
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# At most this many differences of one kind are spelled out; the rest are counted.
-SHOWN = 8
 
-
-class AggregateError(ValueError):
+class AggregateError(WeightsError):
     """Inputs that cannot be merged or bad options: the message names the site and what differs."""
 
 
-@dataclass(frozen=True)
-class TensorInfo:
-    dtype: str  # safetensors dtype name, e.g. "BF16"
-    shape: tuple[int, ...]
-    file: str  # file name inside the model folder
-    offset: int  # byte offset of the data in the file, for reading in file order
-    nbytes: int
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-
-@dataclass
-class SiteModel:
-    site: str
-    path: Path
-    tensors: dict[str, TensorInfo]
-    weight_files: list[str]
-    sharded: bool
-    tokens: int | None = None
-    manifest: Path | None = None
-    files: dict[str, int] = field(default_factory=dict)  # every file read -> size in bytes
-    data_start: dict[str, int] = field(default_factory=dict)  # weight file -> bytes before its data
+SiteModel = WeightFolder
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -226,79 +190,23 @@ def resolve_weights(
 # Reading the inputs' metadata
 
 
-def read_header(path: Path) -> dict:
-    """The JSON header of a safetensors file (the format is an 8-byte length, then the JSON)."""
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        if len(prefix) != 8:
-            raise AggregateError(f"{path}: not a safetensors file (too short)")
-        (length,) = struct.unpack("<Q", prefix)
-        if length > 100 << 20:
-            raise AggregateError(f"{path}: not a safetensors file (header of {length} bytes)")
-        header = json.loads(f.read(length))
-    header.pop("__metadata__", None)
-    return {"_data_start": 8 + length, **header}
-
-
-def read_site_model(site: str, path: Path) -> SiteModel:
+def read_site_model(site: str, path: Path, label: str | None = None) -> SiteModel:
     path = Path(path)
+    label = label or f"site {site}"
     if not path.is_dir():
-        raise AggregateError(f"site {site}: model folder not found: {path}")
+        raise AggregateError(f"{label}: model folder not found: {path}")
     if not (path / CONFIG_FILE).is_file():
-        raise AggregateError(f"site {site}: {path} has no config.json (not a save_pretrained folder)")
-    files: dict[str, int] = {}
-    index_path = path / INDEX_FILE
-    if index_path.is_file():
-        index = json.loads(index_path.read_text(encoding="utf-8"))
-        weight_map: dict[str, str] = index.get("weight_map", {})
-        weight_files = sorted(set(weight_map.values()))
-        files[INDEX_FILE] = index_path.stat().st_size
-        sharded = True
-    elif (path / SINGLE_FILE).is_file():
-        weight_map = {}
-        weight_files = [SINGLE_FILE]
-        sharded = False
-    else:
-        raise AggregateError(f"site {site}: {path} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
-    tensors: dict[str, TensorInfo] = {}
-    data_start: dict[str, int] = {}
-    for name in weight_files:
-        file = path / name
-        if not file.is_file():
-            raise AggregateError(f"site {site}: {INDEX_FILE} names {name}, which is missing in {path}")
-        files[name] = file.stat().st_size
-        header = read_header(file)
-        start = data_start[name] = header.pop("_data_start")
-        for tensor, meta in header.items():
-            if tensor in tensors:
-                raise AggregateError(f"site {site}: tensor {tensor} is stored twice ({path})")
-            if sharded and weight_map.get(tensor) != name:
-                raise AggregateError(
-                    f"site {site}: {name} holds {tensor}, but {INDEX_FILE} puts it in {weight_map.get(tensor)}"
-                )
-            if meta["dtype"] not in ST_DTYPES:
-                raise AggregateError(f"site {site}: tensor {tensor} has unsupported dtype {meta['dtype']}")
-            begin, end = meta["data_offsets"]
-            tensors[tensor] = TensorInfo(
-                meta["dtype"], tuple(meta["shape"]), name, start + begin, end - begin
-            )
-    missing = sorted(set(weight_map) - set(tensors))
-    if missing:
-        raise AggregateError(f"site {site}: {INDEX_FILE} lists tensors no shard holds: {_listing(missing)}")
+        raise AggregateError(f"{label}: {path} has no config.json (not a save_pretrained folder)")
+    model = read_weights(site, path, label)
+    files = model.files
     for name in COPIED_FILES:
         if (path / name).is_file():
             files[name] = (path / name).stat().st_size
-    return SiteModel(site, path, tensors, weight_files, sharded, files=files, data_start=data_start)
+    return model
 
 
 # ---------------------------------------------------------------------------------------------------
 # Compatibility
-
-
-def _listing(items: Sequence[str]) -> str:
-    items = list(items)
-    shown = ", ".join(items[:SHOWN])
-    return shown + (f" (and {len(items) - SHOWN} more)" if len(items) > SHOWN else "")
 
 
 def _json_or_bytes(path: Path):
@@ -333,8 +241,8 @@ def _tokenizer_differences(ref: SiteModel, other: SiteModel) -> list[str]:
         if not a.is_file() and not b.is_file():
             continue
         if a.is_file() != b.is_file():
-            where = ref.site if a.is_file() else other.site
-            diffs.append(f"{name} exists only at site {where}")
+            where = ref.label if a.is_file() else other.label
+            diffs.append(f"{name} exists only at {where}")
             continue
         va, vb = _json_or_bytes(a), _json_or_bytes(b)
         if isinstance(va, dict) and isinstance(vb, dict):
@@ -360,18 +268,19 @@ def _config_differences(ref: SiteModel, other: SiteModel) -> list[str]:
     return [f"{k}={b.get(k, '(absent)')!r} vs {a.get(k, '(absent)')!r}" for k in keys]
 
 
-def check_compatible(models: Sequence[SiteModel]) -> None:
-    """Raise AggregateError listing every way a site differs from the first one."""
+def check_compatible(models: Sequence[SiteModel], start: SiteModel | None = None) -> None:
+    """Raise AggregateError listing every way a site differs from the first one. The start model must
+    hold the same tensors (its config and tokenizer files may have been saved by other code)."""
     ref = models[0]
     problems = []
-    for other in models[1:]:
-        who = f"site {other.site} vs site {ref.site}"
+    for other in [*models[1:], *([start] if start is not None else [])]:
+        who = f"{other.label} vs {ref.label}"
         only_ref = sorted(set(ref.tensors) - set(other.tensors))
         only_other = sorted(set(other.tensors) - set(ref.tensors))
         if only_ref:
-            problems.append(f"{who}: tensor names differ: missing at {other.site}: {_listing(only_ref)}")
+            problems.append(f"{who}: tensor names differ: missing at {other.site}: {listing(only_ref)}")
         if only_other:
-            problems.append(f"{who}: tensor names differ: only at {other.site}: {_listing(only_other)}")
+            problems.append(f"{who}: tensor names differ: only at {other.site}: {listing(only_other)}")
         common = sorted(set(ref.tensors) & set(other.tensors))
         shapes = [
             f"{n} {list(other.tensors[n].shape)} vs {list(ref.tensors[n].shape)}"
@@ -379,17 +288,19 @@ def check_compatible(models: Sequence[SiteModel]) -> None:
             if other.tensors[n].shape != ref.tensors[n].shape
         ]
         if shapes:
-            problems.append(f"{who}: tensor shapes differ: {_listing(shapes)}")
+            problems.append(f"{who}: tensor shapes differ: {listing(shapes)}")
         dtypes = [
             f"{n} {other.tensors[n].dtype} vs {ref.tensors[n].dtype}"
             for n in common
             if other.tensors[n].dtype != ref.tensors[n].dtype
         ]
         if dtypes:
-            problems.append(f"{who}: tensor dtypes differ: {_listing(dtypes)}")
+            problems.append(f"{who}: tensor dtypes differ: {listing(dtypes)}")
+        if other is start:
+            continue
         config = _config_differences(ref, other)
         if config:
-            problems.append(f"{who}: config architecture differs (config.json): {_listing(config)}")
+            problems.append(f"{who}: config architecture differs (config.json): {listing(config)}")
         tokenizer = _tokenizer_differences(ref, other)
         if tokenizer:
             problems.append(f"{who}: tokenizer differs: {'; '.join(tokenizer)}")
@@ -398,263 +309,66 @@ def check_compatible(models: Sequence[SiteModel]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Planning and writing the output
-
-
-@dataclass
-class OutTensor:
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    numel: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
+# Planning the outputs
 
 
 def plan_output(ref: SiteModel, dtype: str, max_shard_size: int) -> list[list[OutTensor]]:
-    """Output tensors grouped into shards, in the first site's file order (sequential reads).
-    Like save_pretrained: a shard is closed when the next tensor would push it past max_shard_size."""
-    order = sorted(
-        ref.tensors, key=lambda n: (ref.weight_files.index(ref.tensors[n].file), ref.tensors[n].offset)
-    )
-    shards: list[list[OutTensor]] = [[]]
-    size = 0
-    for name in order:
+    """Output tensors grouped into shards, in the first site's file order (sequential reads)."""
+    tensors = []
+    for name in file_order(ref):
         info = ref.tensors[name]
         in_dtype = ST_DTYPES[info.dtype]
         out_dtype = in_dtype if dtype == "auto" or not in_dtype.is_floating_point else TORCH_DTYPES[dtype]
-        tensor = OutTensor(name, out_dtype, info.shape, info.numel)
-        if shards[-1] and size + tensor.nbytes > max_shard_size:
-            shards.append([])
-            size = 0
-        shards[-1].append(tensor)
-        size += tensor.nbytes
-    # Larger items first keeps every tensor aligned to its item size inside the file (as safetensors does).
-    return [sorted(shard, key=lambda t: -t.dtype.itemsize) for shard in shards]
+        tensors.append(OutTensor(name, out_dtype, info.shape, info.numel))
+    return plan_shards(tensors, max_shard_size)
 
 
-def shard_header(tensors: Sequence[OutTensor]) -> bytes:
-    header: dict = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for t in tensors:
-        header[t.name] = {
-            "dtype": ST_NAMES[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + t.nbytes],
-        }
-        offset += t.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw
+def plan_state(
+    order: Sequence[OutTensor], slots: Sequence[str], max_shard_size: int
+) -> list[list[OutTensor]]:
+    """The server state's tensors (`<slot>.<name>`, fp32) in the order the merge visits the model's."""
+    tensors = [
+        OutTensor(f"{slot}.{t.name}", torch.float32, t.shape, t.numel)
+        for t in order
+        if t.dtype.is_floating_point
+        for slot in slots
+    ]
+    return plan_shards(tensors, max_shard_size) if tensors else []
 
 
-class InputHashes:
-    """sha256 of the input weight files, fed with the bytes the merge reads anyway, so that
-    checksumming costs no second pass over the inputs.
-
-    A file's digest takes its header, then its tensors in file order. The merge visits tensors in the
-    first site's file order, which is every site's order when the same code saved them; a file visited
-    in another order is hashed again from disk at the end."""
-
-    def __init__(self, models: Sequence[SiteModel]):
-        self.models = models
-        self.state: dict[tuple[int, str], list | None] = {}
-        for i, m in enumerate(models):
-            for name in m.weight_files:
-                digest = hashlib.sha256()
-                with open(m.path / name, "rb") as f:
-                    digest.update(f.read(m.data_start[name]))
-                self.state[(i, name)] = [digest, m.data_start[name]]
-
-    def feed(self, key: tuple[int, str], offset: int, data: memoryview) -> None:
-        entry = self.state[key]
-        if entry is None:
-            return
-        if offset != entry[1]:
-            self.state[key] = None
-            return
-        entry[0].update(data)
-        entry[1] += len(data)
-
-    def result(self) -> dict[tuple[int, str], str]:
-        digests = {}
-        for (i, name), entry in self.state.items():
-            m = self.models[i]
-            if entry is not None and entry[1] == m.files[name]:
-                digests[(i, name)] = entry[0].hexdigest()
-            else:
-                digests[(i, name)] = sha256_file(m.path / name)
-        return digests
+STATE_RECORD = "state.json"
 
 
-class ShardWriter:
-    """Writes output shards on its own thread, so that writing tensor k overlaps reading and averaging
-    tensor k+1; hashes them on the way. Buffers come back through `free` once written."""
-
-    def __init__(self, slots: int, hashing: bool):
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="writer")
-        self.free: queue.SimpleQueue[int] = queue.SimpleQueue()
-        for slot in range(slots):
-            self.free.put(slot)
-        self.hashing = hashing
-        self.file = None
-        self.digest = None
-        self.pending: list[concurrent.futures.Future] = []
-
-    def open(self, path: Path, header: bytes) -> None:
-        self.pending.append(self.pool.submit(self._open, path, header))
-
-    def write(self, slot: int, data: memoryview) -> None:
-        self.pending.append(self.pool.submit(self._write, slot, data))
-
-    def close(self) -> concurrent.futures.Future:
-        future = self.pool.submit(self._close)
-        self.pending.append(future)
-        return future
-
-    def take_slot(self) -> int:
-        slot = self.free.get()
-        # Stop at the writer's first error (disk full, say) instead of merging the rest for nothing.
-        failed = next((f for f in self.pending if f.done() and f.exception() is not None), None)
-        if failed is not None:
-            raise failed.exception()
-        self.pending = [f for f in self.pending if not f.done()]
-        return slot
-
-    def _open(self, path: Path, header: bytes) -> None:
-        self.file = open(path, "wb")  # closed by _close, or by shutdown after an error
-        self.digest = hashlib.sha256() if self.hashing else None
-        self._put(header)
-
-    def _write(self, slot: int, data: memoryview) -> None:
-        try:
-            self._put(data)
-        finally:
-            self.free.put(slot)
-
-    def _put(self, data) -> None:
-        self.file.write(data)
-        if self.digest is not None:
-            self.digest.update(data)
-
-    def _close(self) -> tuple[int, str | None]:
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        size = self.file.tell()
-        self.file.close()
-        self.file = None
-        return size, self.digest.hexdigest() if self.digest is not None else None
-
-    def finish(self) -> None:
-        """Wait for every write; raises the first error of the writer thread."""
-        for future in self.pending:
-            future.result()
-        self.pending.clear()
-
-    def shutdown(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
-        if self.file is not None:
-            self.file.close()
-
-
-class Prefetcher:
-    """Asks the kernel to read the next tensors of every site ahead of time (posix_fadvise WILLNEED),
-    so that the disk keeps reading while the merge averages and writes: reading a memory map by page
-    faults alone is slower than a sequential read, and it stalls on every miss."""
-
-    AHEAD = 2  # tensors
-
-    def __init__(self, models: Sequence[SiteModel], order: Sequence[str]):
-        self.models = models
-        self.order = order
-        self.fds = {
-            (i, f): os.open(m.path / f, os.O_RDONLY) for i, m in enumerate(models) for f in m.weight_files
-        }
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
-        for k in range(min(self.AHEAD, len(order))):
-            self.pool.submit(self._advise, k)
-
-    def reached(self, k: int) -> None:
-        if k + self.AHEAD < len(self.order):
-            self.pool.submit(self._advise, k + self.AHEAD)
-
-    def _advise(self, k: int) -> None:
-        name = self.order[k]
-        for i, m in enumerate(self.models):
-            info = m.tensors[name]
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(self.fds[(i, info.file)], info.offset, info.nbytes, os.POSIX_FADV_WILLNEED)
-
-    def shutdown(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
-        for fd in self.fds.values():
-            os.close(fd)
-
-
-class Buffers:
-    """Flat scratch tensors reused for every tensor: fresh allocations of this size would be returned
-    to the OS on free and page-faulted in again each time, which costs more than the arithmetic.
-    Two output slots: one being written while the next tensor is averaged into the other."""
-
-    SLOTS = 2
-
-    def __init__(self, numel: int, out_itemsize: int):
-        self.acc = torch.empty(numel, dtype=torch.float32)
-        self.tmp = torch.empty(numel, dtype=torch.float32)
-        self.out = [torch.empty(numel * out_itemsize, dtype=torch.uint8) for _ in range(self.SLOTS)]
-
-
-def _as_bytes(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-
-
-def merge_tensor(
-    out: OutTensor,
-    sources: Sequence[torch.Tensor],
-    sites: Sequence[str],
-    weights: Sequence[float],
-    buffers: Buffers,
-    slot: int,
-) -> memoryview:
-    """The weighted mean of one tensor over the sites, as `out.dtype`, in output slot `slot`.
-
-    Computed as a running mean, acc += w_k / W_k * (x_k - acc) with W_k the cumulative weight, which
-    returns an input unchanged, bit for bit, when every site holds the same values."""
-    n = out.numel
-    result = buffers.out[slot][: out.nbytes].view(out.dtype)
-    if not sources[0].dtype.is_floating_point:
-        # Integer buffers (position ids, masks) cannot be averaged; they must simply agree.
-        for site, src in zip(sites[1:], sources[1:], strict=True):
-            if not torch.equal(src, sources[0]):
-                raise AggregateError(
-                    f"tensor {out.name} ({sources[0].dtype}) differs between site {sites[0]} and "
-                    f"site {site}; non-float tensors must be identical"
+def read_server_state(path: Path, optimizer: ServerOptimizer, order: Sequence[OutTensor]):
+    """(record, folder or None) of a previous round's server state, checked against this round."""
+    path = Path(path)
+    record_path = path / STATE_RECORD
+    if not record_path.is_file():
+        raise AggregateError(f"--server-state-in: {record_path} not found (not a server state folder)")
+    record = json.loads(record_path.read_text(encoding="utf-8"))
+    written_by = record.get("optimizer", {}).get("name")
+    if written_by != optimizer.name:
+        raise AggregateError(
+            f"--server-state-in: {path} was written by server optimizer {written_by!r}, not {optimizer.name!r}"
+        )
+    if not optimizer.slots:
+        return record, None
+    folder = read_weights("server state", path, f"the server state {path}")
+    problems = []
+    for t in order:
+        if not t.dtype.is_floating_point:
+            continue
+        for slot in optimizer.slots:
+            info = folder.tensors.get(f"{slot}.{t.name}")
+            if info is None:
+                problems.append(f"{slot}.{t.name} missing")
+            elif info.dtype != "F32" or info.shape != t.shape:
+                problems.append(
+                    f"{slot}.{t.name} {info.dtype} {list(info.shape)}, expected F32 {list(t.shape)}"
                 )
-        result.copy_(sources[0])
-        return _as_bytes(result)
-    acc = buffers.acc[:n]
-    tmp = buffers.tmp[:n]
-    total = 0.0
-    for src, weight in zip(sources, weights, strict=True):
-        if weight == 0:
-            continue
-        total += weight
-        if total == weight:
-            acc.copy_(src)
-            continue
-        tmp.copy_(src)
-        tmp.sub_(acc)
-        acc.add_(tmp, alpha=weight / total)
-    result.copy_(acc)
-    return _as_bytes(result)
-
-
-def shard_names(count: int) -> list[str]:
-    if count == 1:
-        return [SINGLE_FILE]
-    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+    if problems:
+        raise AggregateError(f"--server-state-in: {path} does not fit this model: {listing(problems)}")
+    return record, folder
 
 
 def _copy_support_files(ref: SiteModel, out_dir: Path, dtype: str) -> None:
@@ -678,6 +392,10 @@ def _log(message: str) -> None:
     print(f"[aggregate] {message}", file=sys.stderr, flush=True)
 
 
+# ---------------------------------------------------------------------------------------------------
+# The merge
+
+
 def aggregate(
     models: Mapping[str, str | Path],
     out_dir: str | Path,
@@ -688,15 +406,48 @@ def aggregate(
     dtype: str = "auto",
     max_shard_size: str | int = "5GB",
     checksums: bool = True,
+    start: str | Path | None = None,
+    lam: float = 1.0,
+    density: float = 1.0,
+    seed: int = 0,
+    rescale: str = "l1",
+    server_optimizer: ServerOptimizer | Mapping | None = None,
+    server_state_in: str | Path | None = None,
+    server_state_out: str | Path | None = None,
 ) -> dict:
     """Merge the site models `models` (site -> model folder) into `out_dir`; returns aggregate.json.
 
-    Every check (options, weights, compatibility) runs before the first byte is written."""
+    `start` is the model the round started from: the base of the task vectors and of the server
+    optimizer's step (not read for fedavg with sgd at lr 1, which is the plain weighted mean). The
+    server optimizer's state is read from `server_state_in` (none in the first round) and written to
+    `server_state_out`. Every check (options, weights, compatibility) runs before the first byte is
+    written."""
     started = time.perf_counter()
     if method not in METHODS:
         raise AggregateError(f"--method: {method!r} is not one of {', '.join(METHODS)}")
     if dtype not in OUTPUT_DTYPES:
         raise AggregateError(f"--dtype: {dtype!r} is not one of {', '.join(OUTPUT_DTYPES)}")
+    if rescale not in RESCALES:
+        raise AggregateError(f"--rescale: {rescale!r} is not one of {', '.join(RESCALES)}")
+    if not 0 < density <= 1:
+        raise AggregateError(f"--density: {density} is not in (0, 1]")
+    try:
+        optimizer = (
+            server_optimizer
+            if isinstance(server_optimizer, ServerOptimizer)
+            else ServerOptimizer.from_dict(dict(server_optimizer or {}))
+        )
+        optimizer.check()
+    except (TypeError, ValueError) as e:
+        raise AggregateError(f"--server-optimizer: {e}") from None
+    plain = method == "fedavg" and optimizer.plain
+    if not plain and start is None:
+        raise AggregateError(
+            f"--start (the model the round started from) is needed for method {method} with server "
+            f"optimizer {optimizer.name} at lr {optimizer.lr}"
+        )
+    if optimizer.slots and server_state_out is None:
+        raise AggregateError(f"--server-state-out is needed: {optimizer.name} keeps a state between rounds")
     if not models:
         raise AggregateError("no site models given (--model SITE=DIR)")
     manifests = {site: Path(p) for site, p in (manifests or {}).items()}
@@ -721,42 +472,67 @@ def aggregate(
     for m in site_models:
         m.tokens = tokens.get(m.site)
         m.manifest = manifests.get(m.site)
-    check_compatible(site_models)
+    start_model = None
+    if not plain:
+        start_model = read_site_model("start", Path(start), f"the start model {start}")
+    check_compatible(site_models, start_model)
 
     ref = site_models[0]
     plan = plan_output(ref, dtype, shard_limit)
+    order = [t for shard in plan for t in shard]
+    state_record, state_folder = (None, None)
+    if server_state_in is not None:
+        state_record, state_folder = read_server_state(Path(server_state_in), optimizer, order)
+    round_step = (state_record or {}).get("step", 0) + 1
+    state_plan = plan_state(order, optimizer.slots, shard_limit)
     n_weights = [normalised[m.site] for m in site_models]
+    params = {"lambda": lam, "density": density, "seed": seed, "rescale": rescale}
     _log(
-        f"fedavg of {len(sites)} sites ({source} weights "
+        f"{method} of {len(sites)} sites ({source} weights "
         + ", ".join(f"{s}={normalised[s]:.4f}" for s in sites)
-        + f"): {sum(len(s) for s in plan)} tensors into {len(plan)} shard(s)"
+        + f"), server optimizer {optimizer.name} (step {round_step}): "
+        + f"{len(order)} tensors into {len(plan)} shard(s)"
     )
     out_dir = Path(out_dir)
-    with atomic_dir(out_dir) as tmp:
-        output, digests = _write_shards(tmp, plan, site_models, n_weights, checksums)
+    with contextlib.ExitStack() as outputs:
+        tmp = outputs.enter_context(atomic_dir(out_dir))
+        state_tmp = outputs.enter_context(atomic_dir(Path(server_state_out))) if server_state_out else None
+        folders = [
+            *site_models,
+            *([start_model] if start_model else []),
+            *([state_folder] if state_folder else []),
+        ]
+        streamed = _write_merged(
+            tmp,
+            state_tmp,
+            plan,
+            state_plan,
+            folders,
+            n_weights,
+            method=method,
+            params=params,
+            optimizer=optimizer,
+            sites=len(site_models),
+            checksums=checksums,
+        )
+        output, state_output, digests = streamed
         _copy_support_files(ref, tmp, dtype)
-        inputs = []
-        for i, m in enumerate(site_models):
-            files = {}
-            for name, size in m.files.items():
-                digest = digests.get((i, name)) if name in m.weight_files else None
-                if checksums and digest is None:
-                    digest = sha256_file(m.path / name)
-                files[name] = {"bytes": size, "sha256": digest}
-            inputs.append(
+        inputs = [_input_record(i, m, digests, checksums) for i, m in enumerate(site_models)]
+        for entry, m in zip(inputs, site_models, strict=True):
+            entry.update(
                 {
                     "site": m.site,
-                    "model_dir": str(m.path),
                     "manifest": str(m.manifest) if m.manifest else None,
                     "tokens_kept": m.tokens,
-                    "sharded": m.sharded,
-                    "bytes": sum(m.files[f] for f in m.weight_files),
-                    "files": files,
                 }
             )
+        extra = [*([start_model] if start_model else []), *([state_folder] if state_folder else [])]
+        extra_records = [
+            _input_record(len(site_models) + k, f, digests, checksums) for k, f in enumerate(extra)
+        ]
         if checksums:
-            # Inputs were hashed while being read: compare with what training recorded, for free.
-            for entry, m in zip(inputs, site_models, strict=True):
+            # Inputs were hashed while being read: compare with what their writers recorded, for free.
+            for entry, m in zip([*inputs, *extra_records], [*site_models, *extra], strict=True):
                 verify_checksums(m.path, {name: f["sha256"] for name, f in entry["files"].items()})
             record_checksums(tmp, {name: f["sha256"] for name, f in output["files"].items()})
         warnings = _identical_inputs(inputs, site_models) if checksums else []
@@ -770,11 +546,40 @@ def aggregate(
             "inputs": inputs,
             "output": output,
             "warnings": warnings,
-            "wall_time_s": round(time.perf_counter() - started, 3),
         }
+        if not plain:
+            record["parameters"] = params
+            record["start"] = extra_records[0]
+            record["server_optimizer"] = {**optimizer.as_dict(), "step": round_step}
+        if state_folder is not None:
+            record["server_state_in"] = extra_records[-1]
+        elif server_state_in is not None:
+            record["server_state_in"] = {"model_dir": str(server_state_in)}
+        if state_tmp is not None:
+            state = {"optimizer": optimizer.as_dict(), "step": round_step, "output": state_output}
+            if checksums:
+                record_checksums(state_tmp, {n: f["sha256"] for n, f in state_output["files"].items()})
+            write_json(state_tmp / STATE_RECORD, state)
+            record["server_state_out"] = {"dir": str(server_state_out), **state}
+        record["wall_time_s"] = round(time.perf_counter() - started, 3)
         write_json(tmp / "aggregate.json", record)
     _log(f"done in {record['wall_time_s']:.1f} s: {out_dir}")
     return record
+
+
+def _input_record(i: int, m: WeightFolder, digests: dict, checksums: bool) -> dict:
+    files = {}
+    for name, size in m.files.items():
+        digest = digests.get((i, name)) if name in m.weight_files else None
+        if checksums and digest is None:
+            digest = sha256_file(m.path / name)
+        files[name] = {"bytes": size, "sha256": digest}
+    return {
+        "model_dir": str(m.path),
+        "sharded": m.sharded,
+        "bytes": sum(m.files[f] for f in m.weight_files),
+        "files": files,
+    }
 
 
 def _identical_inputs(inputs: Sequence[dict], models: Sequence[SiteModel]) -> list[str]:
@@ -788,71 +593,103 @@ def _identical_inputs(inputs: Sequence[dict], models: Sequence[SiteModel]) -> li
     return warnings
 
 
-def _write_shards(
+def _write_merged(
     out_dir: Path,
+    state_dir: Path | None,
     plan: Sequence[Sequence[OutTensor]],
-    models: Sequence[SiteModel],
+    state_plan: Sequence[Sequence[OutTensor]],
+    folders: Sequence[WeightFolder],
     weights: Sequence[float],
+    *,
+    method: str,
+    params: dict,
+    optimizer: ServerOptimizer,
+    sites: int,
     checksums: bool,
-) -> tuple[dict, dict[tuple[int, str], str]]:
-    """Write the merged shards (and the index when there are several). Returns the output record and
-    the sha256 of every input weight file (empty without checksums)."""
-    from safetensors import safe_open
-
-    names = shard_names(len(plan))
-    order = [t.name for shard in plan for t in shard]
-    largest = max(t.numel for shard in plan for t in shard)
-    buffers = Buffers(largest, max(t.dtype.itemsize for shard in plan for t in shard))
-    handles = [{f: safe_open(m.path / f, framework="pt") for f in m.weight_files} for m in models]
-    sites = [m.site for m in models]
-    weight_map: dict[str, str] = {}
-    total_bytes = total_params = 0
-    closed = {}
-    hashes = InputHashes(models) if checksums else None
+) -> tuple[dict, dict | None, dict[tuple[int, str], str]]:
+    """Stream every tensor through the merge method and the server optimizer into the output (and the
+    new server state). folders: the sites, then the start model (unless the merge is the plain
+    weighted mean), then the previous server state (if any). Returns the output's record, the state's
+    record and the sha256 of every input file (empty without checksums)."""
+    order = [t for shard in plan for t in shard]
+    plain = len(folders) == sites
+    start_i = sites if not plain else None
+    state_i = sites + 1 if len(folders) > sites + 1 else None
+    slots = optimizer.slots
+    reads = []
+    for i in range(len(folders)):
+        if i == state_i:
+            reads.append(
+                [[f"{s}.{t.name}" for s in slots] if t.dtype.is_floating_point else [] for t in order]
+            )
+        else:
+            reads.append([[t.name] for t in order])
+    largest = max(t.numel for t in order)
+    fedavg = method == "fedavg"
+    acc = torch.empty(largest, dtype=torch.float32) if fedavg else None
+    scratch = torch.empty(largest, dtype=torch.float32) if fedavg else None
+    merge = METHODS[method]
     with contextlib.ExitStack() as stack:
-        writer = ShardWriter(Buffers.SLOTS, checksums)
-        stack.callback(writer.shutdown)
-        prefetch = Prefetcher(models, order)
-        stack.callback(prefetch.shutdown)
-        hasher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hash")
-        stack.callback(hasher.shutdown, wait=True, cancel_futures=True)
-        k = 0
-        for shard, name in zip(plan, names, strict=True):
-            started = time.perf_counter()
-            writer.open(out_dir / name, shard_header(shard))
-            for tensor in shard:
-                prefetch.reached(k)
-                k += 1
-                infos = [m.tensors[tensor.name] for m in models]
-                sources = [
-                    h[i.file].get_tensor(tensor.name).reshape(-1) for h, i in zip(handles, infos, strict=True)
-                ]
-                if hashes is not None:
-                    for i, (info, src) in enumerate(zip(infos, sources, strict=True)):
-                        hasher.submit(hashes.feed, (i, info.file), info.offset, _as_bytes(src))
-                slot = writer.take_slot()
-                writer.write(slot, merge_tensor(tensor, sources, sites, weights, buffers, slot))
-                weight_map[tensor.name] = name
-                total_bytes += tensor.nbytes
-                total_params += tensor.numel
-            closed[name] = writer.close()
-            _log(f"shard {name}: {len(shard)} tensors merged in {time.perf_counter() - started:.1f} s")
-        writer.finish()
-        hasher.shutdown(wait=True)
-        input_digests = hashes.result() if hashes is not None else {}
-    files = {}
-    for name, future in closed.items():
-        size, digest = future.result()
-        os.chmod(out_dir / name, 0o644)
-        files[name] = {"bytes": size, "sha256": digest}
-    if len(plan) > 1:
-        index = {
-            "metadata": {"total_parameters": total_params, "total_size": total_bytes},
-            "weight_map": dict(sorted(weight_map.items())),
-        }
-        write_json(out_dir / INDEX_FILE, index)
-    output = {"tensors": len(weight_map), "parameters": total_params, "bytes": total_bytes, "files": files}
-    return output, input_digests
+        reader = FolderReader(folders, reads, checksums)
+        stack.callback(reader.shutdown)
+        output = ShardedOutput(out_dir, plan, checksums)
+        stack.callback(output.shutdown)
+        state = None
+        if state_dir is not None and state_plan:
+            state = ShardedOutput(state_dir, state_plan, checksums, metadata={"optimizer": optimizer.name})
+            stack.callback(state.shutdown)
+        shard_started = time.perf_counter()
+        for k, tensor in enumerate(order):
+            reader.reached(k)
+            sources = [reader.get(i, tensor.name) for i in range(sites)]
+            slot, result = output.slot(tensor)
+            if not sources[0].dtype.is_floating_point:
+                _check_identical(tensor.name, sources, [f.site for f in folders[:sites]])
+                result.copy_(sources[0])
+            elif plain:
+                n = tensor.numel
+                result.copy_(weighted_mean(sources, weights, acc[:n], scratch[:n]))
+            else:
+                base = reader.get(start_i, tensor.name)
+                if fedavg:
+                    n = tensor.numel
+                    delta = merge(base, sources, weights, params, acc[:n], scratch[:n])
+                else:
+                    delta = merge(base, sources, weights, {**params, "name": tensor.name})
+                if slots:
+                    old = {s: reader.get(state_i, f"{s}.{tensor.name}") if state_i else None for s in slots}
+                    taken = {s: state.slot(_state_tensor(s, tensor)) for s in slots}
+                    update = step(optimizer, delta, old, {s: buf for s, (_, buf) in taken.items()})
+                    for s, (state_slot, _) in taken.items():
+                        state.put(_state_tensor(s, tensor), state_slot)
+                else:
+                    update = step(optimizer, delta, {}, {})
+                result.copy_(update.add_(base))
+            output.put(tensor, slot)
+            if output.where[tensor.name][1] == len(plan[output.where[tensor.name][0]]) - 1:
+                shard = output.names[output.where[tensor.name][0]]
+                _log(f"shard {shard}: merged in {time.perf_counter() - shard_started:.1f} s")
+                shard_started = time.perf_counter()
+        record = output.finish()
+        state_record = state.finish() if state is not None else None
+        if state_dir is not None and state is None:
+            state_record = {"tensors": 0, "parameters": 0, "bytes": 0, "files": {}}
+        digests = reader.digests()
+    return record, state_record, digests
+
+
+def _state_tensor(slot: str, tensor: OutTensor) -> OutTensor:
+    return OutTensor(f"{slot}.{tensor.name}", torch.float32, tensor.shape, tensor.numel)
+
+
+def _check_identical(name: str, sources: Sequence[torch.Tensor], sites: Sequence[str]) -> None:
+    """Integer buffers (position ids, masks) cannot be averaged; they must simply agree."""
+    for site, src in zip(sites[1:], sources[1:], strict=True):
+        if not torch.equal(src, sources[0]):
+            raise AggregateError(
+                f"tensor {name} ({sources[0].dtype}) differs between site {sites[0]} and "
+                f"site {site}; non-float tensors must be identical"
+            )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -873,7 +710,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="SITE=PATH",
         help="site manifests (data/<site>/manifest.json); needed for --weights tokens",
     )
-    parser.add_argument("--method", default="fedavg", choices=METHODS)
+    parser.add_argument("--method", default="fedavg", choices=list(METHODS))
+    parser.add_argument(
+        "--start",
+        default=None,
+        metavar="DIR",
+        help="the model the round started from: base of the task vectors and of the server step"
+        " (not needed for fedavg with sgd at lr 1)",
+    )
+    parser.add_argument(
+        "--lambda", dest="lam", type=float, default=1.0, help="scale of the merged task vector"
+    )
+    parser.add_argument(
+        "--density", type=float, default=1.0, help="share of each task vector kept (ties, dare_*)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of DARE's random masks")
+    parser.add_argument(
+        "--rescale",
+        default="l1",
+        choices=list(RESCALES),
+        help="DARE's rescaling of kept entries: l1 (mergekit's) or density (1/density, the DARE paper)",
+    )
+    parser.add_argument(
+        "--server-optimizer",
+        default="{}",
+        help='JSON: {"name": sgd|fedavgm|fedadam|fedyogi|fedadagrad, "lr", "momentum", "betas", "tau"}',
+    )
+    parser.add_argument("--server-state-in", default=None, metavar="DIR", help="the previous round's state")
+    parser.add_argument(
+        "--server-state-out", default=None, metavar="DIR", help="folder of this round's state"
+    )
     parser.add_argument(
         "--weights",
         default="tokens",
@@ -889,6 +755,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-checksums", action="store_true", help="skip the sha256 of inputs and outputs")
     args = parser.parse_args(argv)
     try:
+        try:
+            server_optimizer = json.loads(args.server_optimizer)
+        except json.JSONDecodeError as e:
+            raise AggregateError(f"--server-optimizer: not valid JSON: {e}") from None
+        if not isinstance(server_optimizer, dict):
+            raise AggregateError("--server-optimizer: must be a JSON object")
         aggregate(
             parse_pairs(args.model, "--model"),
             args.out,
@@ -898,8 +770,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             dtype=args.dtype,
             max_shard_size=args.max_shard_size,
             checksums=not args.no_checksums,
+            start=args.start,
+            lam=args.lam,
+            density=args.density,
+            seed=args.seed,
+            rescale=args.rescale,
+            server_optimizer=server_optimizer,
+            server_state_in=args.server_state_in,
+            server_state_out=args.server_state_out,
         )
-    except (AggregateError, ModelError) as e:
+    except (WeightsError, ModelError) as e:
         print(f"aggregate: error: {e}", file=sys.stderr)
         return 2
     return 0

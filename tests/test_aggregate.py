@@ -333,7 +333,7 @@ def test_cli(tmp_path, capsys, monkeypatch):
 
 
 def test_write_error_stops_the_merge_and_leaves_nothing(tmp_path, monkeypatch):
-    from fedtune import aggregate as module
+    from fedtune import safetensors_stream as module
 
     big = {f"model.layers.{i}.weight": torch.randn(64, 64) for i in range(6)}
     models = {s: write_checkpoint(tmp_path / s, big) for s in ("a", "b")}

@@ -1,10 +1,23 @@
-# aggregate: merge the site models of a round into one (FedAvg), streaming tensor by tensor.
+# aggregate: merge the site models of a round into one, streaming tensor by tensor: a merge method over
+# the sites' task vectors against the round's start model, then the server optimizer.
 
+
+include: "aggregate_inputs.smk"
+
+
+AGGREGATE = config["aggregate"]
 # --weights: tokens, uniform, or the mapping site -> number as JSON.
 AGGREGATE_WEIGHTS = (
-    to_json(config["aggregate"]["weights"])
-    if isinstance(config["aggregate"]["weights"], dict)
-    else config["aggregate"]["weights"]
+    to_json(AGGREGATE["weights"])
+    if isinstance(AGGREGATE["weights"], dict)
+    else AGGREGATE["weights"]
+)
+# The merge method's settings, the same for the configured method and the compared ones.
+MERGE_ARGS = (
+    f"--lambda {AGGREGATE['lambda']} --density {AGGREGATE['density']}"
+    f" --seed {AGGREGATE['seed']} --rescale {AGGREGATE['rescale']}"
+    f" --weights {shlex.quote(AGGREGATE_WEIGHTS)} --dtype {config['model']['dtype']}"
+    f" --max-shard-size {AGGREGATE['max_shard_size']}"
 )
 
 
@@ -15,8 +28,11 @@ if aggregates_here():
         input:
             models=lambda wc: [site_model_dir(wc.round, site) for site in SITES],
             manifests=[manifest_path(site) for site in SITES],
+            start=lambda wc: init_model_dir(wc.round),
+            server_state=server_state_in,
         output:
-            directory(aggregate_model_dir("{round}")),
+            model=directory(aggregate_model_dir("{round}")),
+            server_state=directory(server_state_dir("{round}")),
         log:
             log_path("aggregate", "round-{round}"),
         conda:
@@ -24,19 +40,51 @@ if aggregates_here():
         container:
             CONTAINER
         resources:
-            # Private memory: about four copies of the largest tensor in fp32 (2 GB for Llama-2-7B).
+            # Private memory: a few copies of the largest tensor in fp32 (under 4 GB for Llama-2-7B;
+            # benchmarks/README.md).
             mem_mb=4000,
             runtime=60,
         params:
-            models=lambda wc: [
-                f"{site}={site_model_dir(wc.round, site)}" for site in SITES
-            ],
+            models=site_model_args,
             manifests=[f"{site}={manifest_path(site)}" for site in SITES],
-            method=config["aggregate"]["method"],
-            weights=AGGREGATE_WEIGHTS,
-            dtype=config["model"]["dtype"],
-            max_shard_size=config["aggregate"]["max_shard_size"],
+            method=AGGREGATE["method"],
+            merge=MERGE_ARGS,
+            server_optimizer=to_json(AGGREGATE["server_optimizer"]),
+            state_in=lambda wc, input: (
+                f"--server-state-in {shlex.quote(input.server_state[0])}"
+                if input.server_state
+                else ""
+            ),
         shell:
-            "python -m fedtune.aggregate --out {output:q} --method {params.method}"
-            " --weights {params.weights:q} --dtype {params.dtype} --max-shard-size {params.max_shard_size}"
+            "python -m fedtune.aggregate --out {output.model:q} --method {params.method}"
+            " --start {input.start:q} {params.merge}"
+            " --server-optimizer {params.server_optimizer:q} {params.state_in}"
+            " --server-state-out {output.server_state:q}"
+            " --model {params.models:q} --manifest {params.manifests:q} > {log:q} 2>&1"
+
+    rule aggregate_compare:
+        input:
+            models=lambda wc: [site_model_dir(wc.round, site) for site in SITES],
+            manifests=[manifest_path(site) for site in SITES],
+            start=lambda wc: init_model_dir(wc.round),
+        output:
+            directory(compare_model_dir("{round}", "{method}")),
+        log:
+            log_path("aggregate_compare", "round-{round}-{method}"),
+        wildcard_constraints:
+            method=one_of(AGGREGATE["compare"]),
+        conda:
+            CONDA_ENV
+        container:
+            CONTAINER
+        resources:
+            mem_mb=4000,
+            runtime=60,
+        params:
+            models=site_model_args,
+            manifests=[f"{site}={manifest_path(site)}" for site in SITES],
+            merge=MERGE_ARGS,
+        shell:
+            "python -m fedtune.aggregate --out {output:q} --method {wildcards.method}"
+            " --start {input.start:q} {params.merge}"
             " --model {params.models:q} --manifest {params.manifests:q} > {log:q} 2>&1"

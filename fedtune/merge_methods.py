@@ -1,0 +1,218 @@
+"""Merge methods: small functions over one tensor's values, as mergekit defines them.
+
+A method is `f(base, sites, weights, params) -> task vector`: `base` is the tensor of the model the
+round started from, `sites` the same tensor of every site model (flat, any floating dtype, read-only),
+`weights` the sites' normalised weights (summing to 1), `params` the method's settings (`lambda`,
+`density`, `seed`, `rescale`, and `name`, the tensor's name, which seeds DARE's masks). It returns the
+merged task vector in fp32: merged model = base + task vector. fedtune.aggregate streams the tensors
+through these functions and applies the server optimizer to the task vector (for every method but
+fedavg, the merged task vector plays the role of the round's pseudo-gradient).
+
+The definitions follow mergekit 0.1.5 (mergekit/merge_methods/generalized_task_arithmetic.py, registry.py
+and sparsify.py), with mergekit's per-model `weight` set to the normalised weights:
+
+- task_arithmetic: base + lambda * sum_i w_i d_i (d_i = site_i - base; no normalisation);
+- ties: each d_i trimmed to its `density` largest magnitudes; the sign of sum_i w_i d_i elected per
+  entry; merged = lambda * sum_i w_i d_i [sign d_i = elected] / sum_i w_i [sign d_i = elected]
+  (the disjoint mean; 0/0 counts as 0);
+- dare_linear: each d_i keeps each entry with probability `density`, and is rescaled so that its L1
+  norm is unchanged (`rescale: l1`, mergekit's since its 0.1 release) or by 1/density (`rescale:
+  density`, the DARE paper and mergekit before 0.1); then as task_arithmetic;
+- dare_ties: DARE's drop and rescale, then TIES's sign election, without dividing by the kept weights
+  (mergekit's default normalize=false for dare_ties).
+
+Two deliberate differences from mergekit: the arithmetic is in fp32 whatever the stored dtype (mergekit
+computes in the models' dtype), and when several entries share the magnitude at TIES's cut, the first
+ones in memory order are kept (mergekit keeps what its argsort returns first; here a linear-time
+selection replaces the sort). DARE's masks come from a generator seeded by (seed, tensor name), so they
+do not depend on the order tensors are visited in, nor on sharding."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+Params = Mapping[str, object]
+MergeMethod = Callable[[torch.Tensor, Sequence[torch.Tensor], Sequence[float], Params], torch.Tensor]
+
+RESCALES = ("l1", "density")
+
+
+def weighted_mean(
+    sites: Sequence[torch.Tensor], weights: Sequence[float], acc: torch.Tensor, tmp: torch.Tensor
+) -> torch.Tensor:
+    """sum_i w_i x_i / sum_i w_i into `acc` (fp32, the inputs' length), using `tmp` as scratch.
+
+    Computed as a running mean, acc += w_k / W_k * (x_k - acc) with W_k the cumulative weight, which
+    returns an input unchanged, bit for bit, when every site holds the same values."""
+    total = 0.0
+    for src, weight in zip(sites, weights, strict=True):
+        if weight == 0:
+            continue
+        total += weight
+        if total == weight:
+            acc.copy_(src)
+            continue
+        tmp.copy_(src)
+        tmp.sub_(acc)
+        acc.add_(tmp, alpha=weight / total)
+    return acc
+
+
+def fedavg(
+    base: torch.Tensor,
+    sites: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    params: Params,
+    acc: torch.Tensor | None = None,
+    tmp: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The weighted mean's task vector, sum_i w_i (site_i - base) / sum_i w_i, into `acc` if given.
+
+    Each difference is taken before weighting: sites close to the base then lose no precision to
+    cancellation, as (mean - base) would."""
+    n = base.numel()
+    acc = torch.empty(n) if acc is None else acc
+    tmp = torch.empty(n) if tmp is None else tmp
+    acc.zero_()
+    total = float(sum(weights))
+    for src, weight in zip(sites, weights, strict=True):
+        if weight == 0:
+            continue
+        tmp.copy_(src)
+        tmp.sub_(base)
+        acc.add_(tmp, alpha=weight / total)
+    return acc
+
+
+def task_arithmetic(base, sites, weights, params):
+    return _generalized(base, sites, weights, params, sparsify=None, consensus=False, normalize=False)
+
+
+def ties(base, sites, weights, params):
+    return _generalized(base, sites, weights, params, sparsify=_magnitude, consensus=True, normalize=True)
+
+
+def dare_linear(base, sites, weights, params):
+    return _generalized(base, sites, weights, params, sparsify=_bernoulli, consensus=False, normalize=False)
+
+
+def dare_ties(base, sites, weights, params):
+    return _generalized(base, sites, weights, params, sparsify=_bernoulli, consensus=True, normalize=False)
+
+
+METHODS: dict[str, MergeMethod] = {
+    "fedavg": fedavg,
+    "task_arithmetic": task_arithmetic,
+    "ties": ties,
+    "dare_linear": dare_linear,
+    "dare_ties": dare_ties,
+}
+
+
+def tensor_seed(seed: int, name: str) -> int:
+    """The seed of one tensor's DARE masks: the same for a tensor wherever and whenever it is merged."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def _generalized(base, sites, weights, params, *, sparsify, consensus: bool, normalize: bool):
+    """mergekit's GTATask.merge_group for one tensor, in fp32."""
+    lam = float(params.get("lambda", 1.0))
+    base = base.float() if base.dtype != torch.float32 else base
+    generator = None
+    if sparsify is _bernoulli and float(params.get("density", 1.0)) < 1:
+        generator = torch.Generator().manual_seed(
+            tensor_seed(int(params.get("seed", 0)), str(params["name"]))
+        )
+    weighted = []
+    for src, weight in zip(sites, weights, strict=True):
+        delta = src.float() if src.dtype != torch.float32 else src.clone()
+        delta.sub_(base)
+        if sparsify is not None:
+            delta = sparsify(delta, params, generator)
+        weighted.append(delta.mul_(float(weight)))
+    if consensus:
+        total = weighted[0].clone()
+        for delta in weighted[1:]:
+            total.add_(delta)
+        majority = (total >= 0).float().mul_(2).sub_(1)
+        del total
+        mixed = torch.zeros_like(base)
+        divisor = torch.zeros_like(base)
+        for delta, weight in zip(weighted, weights, strict=True):
+            mask = delta.sign() == majority
+            mixed.add_(delta.mul_(mask))
+            divisor.add_(mask, alpha=float(weight))
+        del majority
+        divisor[divisor == 0] = 1
+    else:
+        mixed = weighted[0]
+        for delta in weighted[1:]:
+            mixed.add_(delta)
+        divisor = float(sum(weights))
+        if abs(divisor) < 1e-8:
+            divisor = 1.0
+    if normalize:
+        mixed = mixed.div_(divisor)
+    if lam != 1:
+        mixed.mul_(lam)
+    return mixed
+
+
+def _magnitude(delta: torch.Tensor, params: Params, generator) -> torch.Tensor:
+    """Keep the `density` share of entries with the largest magnitude (at least one), zero the rest."""
+    density = float(params.get("density", 1.0))
+    n = delta.numel()
+    if density >= 1:
+        return delta
+    if density <= 0 or n == 0:
+        return delta.zero_()
+    k = max(1, int(density * n))
+    magnitude = delta.abs()
+    threshold = kth_largest(magnitude, k)
+    keep = magnitude > threshold
+    if threshold > 0:
+        # Ties at the cut: keep the first ones, up to k in all.
+        missing = k - int(keep.sum())
+        if missing > 0:
+            keep[(magnitude == threshold).nonzero().reshape(-1)[:missing]] = True
+    # Entries of magnitude 0 at the cut change nothing whether kept or not.
+    return delta.mul_(keep)
+
+
+def kth_largest(values: torch.Tensor, k: int) -> torch.Tensor:
+    """The k-th largest of a flat tensor, exactly. A full selection over a large tensor is the slowest
+    step of TIES, so the value is first bracketed by quantiles of a sample; only the entries in the
+    bracket go through the exact selection (the whole tensor does when the bracket misses)."""
+    n = values.numel()
+    if n <= 1 << 20:
+        return torch.kthvalue(values, n - k + 1).values
+    sample = values[torch.randint(n, (1 << 16,), generator=torch.Generator().manual_seed(0))]
+    q = (n - k + 1) / n
+    lo = torch.quantile(sample, max(0.0, q - 0.01), interpolation="lower")
+    hi = torch.quantile(sample, min(1.0, q + 0.01), interpolation="higher")
+    above = int(torch.count_nonzero(values > hi))
+    band = values[(values >= lo).logical_and_(values <= hi)]
+    if above < k <= above + band.numel():
+        return torch.kthvalue(band, band.numel() - (k - above) + 1).values
+    return torch.kthvalue(values, n - k + 1).values
+
+
+def _bernoulli(delta: torch.Tensor, params: Params, generator) -> torch.Tensor:
+    """Keep each entry with probability `density`; rescale as `rescale` says."""
+    density = float(params.get("density", 1.0))
+    if density >= 1:
+        return delta
+    mask = torch.bernoulli(torch.full_like(delta, density), generator=generator)
+    rescale = params.get("rescale", "l1")
+    if rescale == "density":
+        return delta.mul_(mask).div_(density)
+    before = delta.abs().sum()
+    masked = delta.mul_(mask)
+    after = masked.abs().sum()
+    if before < 1e-7 or after < 1e-7:
+        return masked
+    return masked.mul_(before / after)

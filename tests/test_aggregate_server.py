@@ -1,0 +1,202 @@
+"""Server optimizers: two rounds of each equal a hand computation of its update rule (1e-6); the state
+travels between rounds as a checksummed safetensors folder and is refused when it does not fit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fedtune import merge_methods
+from fedtune.aggregate import AggregateError, aggregate, main
+from tests.test_aggregate import read_output, write_checkpoint
+
+NAMES = {"model.layers.0.mlp.up_proj.weight": (12, 8), "model.norm.weight": (8,)}
+OPTIONS = {
+    "sgd": {"name": "sgd", "lr": 0.7},
+    "fedavgm": {"name": "fedavgm", "lr": 0.5, "momentum": 0.8},
+    "fedadam": {"name": "fedadam", "lr": 0.01, "betas": [0.9, 0.99], "tau": 1e-3},
+    "fedyogi": {"name": "fedyogi", "lr": 0.01, "betas": [0.8, 0.95], "tau": 1e-2},
+    "fedadagrad": {"name": "fedadagrad", "lr": 0.05, "betas": [0.5, 0.9], "tau": 1e-3},
+}
+
+
+def near(model, g, scale=0.05):
+    return {n: t + scale * torch.randn(*t.shape, generator=g) for n, t in model.items()}
+
+
+def hand_step(options, delta, m, v):
+    """One server step in float64, written from Reddi et al. 2021, Algorithm 2 (m, v start at 0)."""
+    name, lr = options["name"], options["lr"]
+    if name == "sgd":
+        return lr * delta, m, v
+    if name == "fedavgm":
+        m = options["momentum"] * m + delta
+        return lr * m, m, v
+    b1, b2 = options["betas"]
+    m = b1 * m + (1 - b1) * delta
+    if name == "fedadagrad":
+        v = v + delta**2
+    elif name == "fedyogi":
+        v = v - (1 - b2) * delta**2 * torch.sign(v - delta**2)
+    else:
+        v = b2 * v + (1 - b2) * delta**2
+    return lr * m / (torch.sqrt(v) + options["tau"]), m, v
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIONS))
+def test_two_rounds_equal_the_update_rule(tmp_path, optimizer):
+    options = OPTIONS[optimizer]
+    g = torch.Generator().manual_seed(3)
+    base = {n: torch.randn(*s, generator=g) for n, s in NAMES.items()}
+    start = write_checkpoint(tmp_path / "base", base)
+    weights = [0.25, 0.75]
+    m = {n: torch.zeros(s, dtype=torch.float64) for n, s in NAMES.items()}
+    v = {n: torch.zeros(s, dtype=torch.float64) for n, s in NAMES.items()}
+    state_in = None
+    for r in (1, 2):
+        current = read_output(start)
+        sites = [near(current, g) for _ in weights]
+        models = {s: write_checkpoint(tmp_path / f"r{r}-{s}", t) for s, t in zip("ab", sites, strict=True)}
+        state_out = tmp_path / f"round-{r}" / "server_state"
+        aggregate(
+            models,
+            tmp_path / f"round-{r}" / "model",
+            weights='{"a": 1, "b": 3}',
+            start=start,
+            # Small shards: a tensor's m and v land in different state files.
+            max_shard_size="400B",
+            server_optimizer=options,
+            server_state_in=state_in,
+            server_state_out=state_out,
+        )
+        merged = read_output(tmp_path / f"round-{r}" / "model")
+        for n in NAMES:
+            delta = sum(
+                w * (s[n].double() - current[n].double()) for w, s in zip(weights, sites, strict=True)
+            )
+            update, m[n], v[n] = hand_step(options, delta, m[n], v[n])
+            expected = current[n].double() + update
+            torch.testing.assert_close(merged[n].double(), expected, rtol=1e-6, atol=1e-6)
+            assert (merged[n] - current[n]).abs().max() > 1e-4  # the step moved the model
+        state = json.loads((state_out / "state.json").read_text())
+        assert state["step"] == r and state["optimizer"]["name"] == optimizer
+        if optimizer in ("sgd",):
+            assert not list(state_out.glob("*.safetensors"))
+        else:
+            saved = read_output(state_out)
+            for n in NAMES:
+                torch.testing.assert_close(saved[f"m.{n}"].double(), m[n], rtol=1e-6, atol=1e-7)
+                if f"v.{n}" in saved:
+                    torch.testing.assert_close(saved[f"v.{n}"].double(), v[n], rtol=1e-6, atol=1e-9)
+            assert (state_out / "fedtune-checksums.json").is_file()
+            assert len(list(state_out.glob("*.safetensors"))) > 1
+        start, state_in = tmp_path / f"round-{r}" / "model", state_out
+
+
+def test_server_optimizer_composes_with_ties(tmp_path):
+    g = torch.Generator().manual_seed(5)
+    base = {n: torch.randn(*s, generator=g) for n, s in NAMES.items()}
+    sites = [near(base, g) for _ in range(2)]
+    models = {s: write_checkpoint(tmp_path / s, t) for s, t in zip("ab", sites, strict=True)}
+    options = OPTIONS["fedadam"]
+    aggregate(
+        models,
+        tmp_path / "out",
+        weights="uniform",
+        method="ties",
+        density=0.4,
+        start=write_checkpoint(tmp_path / "base", base),
+        server_optimizer=options,
+        server_state_out=tmp_path / "state",
+    )
+    merged = read_output(tmp_path / "out")
+    for n in NAMES:
+        flat = [s[n].reshape(-1) for s in sites]
+        delta = merge_methods.ties(base[n].reshape(-1), flat, [0.5, 0.5], {"density": 0.4, "lambda": 1.0})
+        zeros = torch.zeros_like(delta, dtype=torch.float64)
+        update, _, _ = hand_step(options, delta.double(), zeros, zeros)
+        expected = base[n].reshape(-1).double() + update
+        torch.testing.assert_close(merged[n].reshape(-1).double(), expected, rtol=1e-6, atol=1e-6)
+
+
+def first_round(tmp_path, options):
+    g = torch.Generator().manual_seed(7)
+    base = {n: torch.randn(*s, generator=g) for n, s in NAMES.items()}
+    start = write_checkpoint(tmp_path / "base", base)
+    models = {s: write_checkpoint(tmp_path / s, near(base, g)) for s in "ab"}
+    aggregate(
+        models,
+        tmp_path / "r1",
+        weights="uniform",
+        start=start,
+        server_optimizer=options,
+        server_state_out=tmp_path / "state1",
+    )
+    return models, tmp_path / "r1"
+
+
+def test_state_of_another_optimizer_or_a_damaged_state_is_refused(tmp_path):
+    models, r1 = first_round(tmp_path, OPTIONS["fedadam"])
+    with pytest.raises(AggregateError, match="written by server optimizer 'fedadam', not 'fedyogi'"):
+        aggregate(
+            models,
+            tmp_path / "r2",
+            weights="uniform",
+            start=r1,
+            server_optimizer=OPTIONS["fedyogi"],
+            server_state_in=tmp_path / "state1",
+            server_state_out=tmp_path / "state2",
+        )
+    state_file = tmp_path / "state1" / "model.safetensors"
+    data = bytearray(state_file.read_bytes())
+    data[-1] ^= 0xFF
+    state_file.write_bytes(bytes(data))
+    assert (
+        main(
+            [
+                "--out",
+                str(tmp_path / "r2"),
+                "--weights",
+                "uniform",
+                "--model",
+                *(f"{s}={p}" for s, p in models.items()),
+                "--start",
+                str(r1),
+                "--server-optimizer",
+                json.dumps(OPTIONS["fedadam"]),
+                "--server-state-in",
+                str(tmp_path / "state1"),
+                "--server-state-out",
+                str(tmp_path / "state2"),
+            ]
+        )
+        == 2
+    )
+    assert not (tmp_path / "r2").exists() and not (tmp_path / "state2").exists()
+
+
+def test_bad_server_options_fail_before_reading(tmp_path):
+    for options, message in [
+        ({"name": "adamw"}, "not one of"),
+        ({"name": "fedadam", "betas": [0.9, 1.0]}, "betas"),
+        ({"name": "fedavgm", "lr": 0}, "lr must be positive"),
+    ]:
+        with pytest.raises(AggregateError, match=message):
+            aggregate(
+                {"a": tmp_path / "a"},
+                tmp_path / "out",
+                weights="uniform",
+                start=tmp_path,
+                server_optimizer=options,
+                server_state_out=tmp_path / "s",
+            )
+    with pytest.raises(AggregateError, match="--server-state-out is needed"):
+        aggregate(
+            {"a": tmp_path / "a"},
+            tmp_path / "out",
+            weights="uniform",
+            start=tmp_path,
+            server_optimizer={"name": "fedadam"},
+        )
