@@ -28,8 +28,9 @@ import torch
 from fedtune import offline
 from fedtune.atomic import atomic_dir, write_json
 from fedtune.checksums import sha256_file
+from fedtune.config import ConfigError, UserError, check_weights, torch_dtype
 from fedtune.merge_methods import METHODS, RESCALES, weighted_mean
-from fedtune.models import ModelError, record_checksums, verify_checksums
+from fedtune.models import record_checksums, verify_checksums
 from fedtune.safetensors_stream import (
     ST_DTYPES,
     FolderReader,
@@ -74,8 +75,6 @@ CONFIG_IGNORED = {
 # tokenizer.json keys that are runtime settings of the fast tokenizer, not its vocabulary.
 TOKENIZER_JSON_IGNORED = {"truncation", "padding"}
 TOKENIZER_CONFIG_IGNORED = {"name_or_path"}
-
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class AggregateError(WeightsError):
@@ -168,15 +167,13 @@ def resolve_weights(
             )
         source, raw = "tokens", {site: tokens[site] for site in sites}
     else:
-        unknown = sorted(set(spec) - set(sites))
-        missing = sorted(set(sites) - set(spec))
-        if unknown or missing:
-            raise AggregateError(
-                f"--weights: must name every site once; unknown: {unknown}, missing: {missing}"
-            )
         bad = {s: v for s, v in spec.items() if not isinstance(v, int | float) or isinstance(v, bool)}
         if bad:
             raise AggregateError(f"--weights: weights must be numbers; got {bad}")
+        try:
+            check_weights(spec, sites, "--weights")
+        except ConfigError as e:
+            raise AggregateError(str(e)) from None
         source, raw = "explicit", {site: spec[site] for site in sites}
     negative = {site: w for site, w in raw.items() if w < 0}
     if negative:
@@ -318,7 +315,7 @@ def plan_output(ref: SiteModel, dtype: str, max_shard_size: int) -> list[list[Ou
     for name in file_order(ref):
         info = ref.tensors[name]
         in_dtype = ST_DTYPES[info.dtype]
-        out_dtype = in_dtype if dtype == "auto" or not in_dtype.is_floating_point else TORCH_DTYPES[dtype]
+        out_dtype = in_dtype if dtype == "auto" or not in_dtype.is_floating_point else torch_dtype(dtype)
         tensors.append(OutTensor(name, out_dtype, info.shape, info.numel))
     return plan_shards(tensors, max_shard_size)
 
@@ -779,7 +776,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             server_state_in=args.server_state_in,
             server_state_out=args.server_state_out,
         )
-    except (WeightsError, ModelError) as e:
+    except UserError as e:
         print(f"aggregate: error: {e}", file=sys.stderr)
         return 2
     return 0

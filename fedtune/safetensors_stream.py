@@ -26,6 +26,7 @@ import torch
 
 from fedtune.atomic import write_json
 from fedtune.checksums import sha256_file
+from fedtune.config import UserError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -50,7 +51,7 @@ ST_NAMES = {dtype: name for name, dtype in ST_DTYPES.items()}
 SHOWN = 8
 
 
-class WeightsError(ValueError):
+class WeightsError(UserError):
     """A weights folder that cannot be read as safetensors: the message names the folder and file."""
 
 

@@ -2,9 +2,6 @@
 # the sites' task vectors against the round's start model, then the server optimizer.
 
 
-include: "aggregate_inputs.smk"
-
-
 AGGREGATE = config["aggregate"]
 # --weights: tokens, uniform, or the mapping site -> number as JSON.
 AGGREGATE_WEIGHTS = (

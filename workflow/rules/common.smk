@@ -192,8 +192,32 @@ def previous_optimizer(wildcards):
     return [site_optimizer_dir(int(wildcards.round) - 1, wildcards.site)]
 
 
+# Aggregate jobs.
+
+
+def server_state_dir(round):
+    """The server optimizer's state after round `round` (read by the next round's aggregate)."""
+    return run_path(f"round-{round}", "aggregate", "server_state")
+
+
+def server_state_in(wildcards):
+    round = int(wildcards.round)
+    return [server_state_dir(round - 1)] if round > 1 else []
+
+
+def compare_model_dir(round, method):
+    """Round `round`'s site models merged by `method` (aggregate.compare), beside the aggregate."""
+    return run_path(f"round-{round}", "compare", method, "model")
+
+
+def site_model_args(wildcards):
+    return [f"{site}={site_model_dir(wildcards.round, site)}" for site in SITES]
+
+
 # Evaluate jobs.
-EVAL_MODELS = [*SITES, "aggregate"]
+# Merged models of a round: the aggregate and the methods aggregate.compare names.
+MERGED_MODELS = ["aggregate", *RUN.aggregate["compare"]]
+EVAL_MODELS = [*SITES, *MERGED_MODELS]
 
 
 def round_models(round):
@@ -201,7 +225,16 @@ def round_models(round):
     evaluate.intermediate says."""
     if round == ROUNDS[-1] or RUN.evaluate.intermediate == "all":
         return EVAL_MODELS
-    return ["aggregate"] if RUN.evaluate.intermediate == "aggregate" else []
+    return MERGED_MODELS if RUN.evaluate.intermediate == "aggregate" else []
+
+
+def round_model_dir(round, model):
+    """A model of round `round` by its name in the report: a site, aggregate or a compared method."""
+    if model == "aggregate":
+        return aggregate_model_dir(round)
+    if model in SITES:
+        return site_model_dir(round, model)
+    return compare_model_dir(round, model)
 
 
 def pooled_eval(site):

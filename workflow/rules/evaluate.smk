@@ -56,12 +56,8 @@ rule evaluate_base:
 
 use rule evaluate_base as evaluate_round with:
     input:
-        # A site's model of that round, or the round's aggregate.
-        model=lambda wc: (
-            aggregate_model_dir(wc.round)
-            if wc.model == "aggregate"
-            else site_model_dir(wc.round, wc.model)
-        ),
+        # A site's model of that round, the round's aggregate or a compared merge.
+        model=lambda wc: round_model_dir(wc.round, wc.model),
         data=raw_data_dir("{site}"),
     output:
         run_path("round-{round}", "eval", "{model}", "{site}.json"),
