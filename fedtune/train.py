@@ -118,11 +118,35 @@ class RoundPlan:
         )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class TrainJob:
+    """The files of one train job (the CLI's paths and flags, apart from the options and the round)."""
+
+    site: str
+    init: Path
+    manifest: tuple[Path, ...]
+    checkpoints: Path
+    out: Path
+    dtype: str = "float32"
+    allow_pickle: bool = False
+    summary_only: bool = False
+    optimizer_in: Path | None = None
+    optimizer_out: Path | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> TrainJob:
+        return cls(
+            site=args.site, init=args.init, manifest=tuple(args.manifest), checkpoints=args.checkpoints,
+            out=args.out, dtype=args.dtype, allow_pickle=args.allow_pickle, summary_only=args.summary_only,
+            optimizer_in=args.optimizer_in, optimizer_out=args.optimizer_out,
+        )  # fmt: skip
+
+
 @dataclass
 class Setup:
     """Everything the loop reads and nothing it changes."""
 
-    args: argparse.Namespace
+    args: TrainJob
     options: TrainOptions
     plan: RoundPlan
     blocks: Blocks
@@ -170,7 +194,7 @@ def peak_memory_mb(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def setup(args, options: TrainOptions, plan: RoundPlan) -> Setup:
+def setup(args: TrainJob, options: TrainOptions, plan: RoundPlan) -> Setup:
     import torch
 
     # Data first: cheap to open (memory-mapped), so batch-size mistakes surface before the model loads.
@@ -199,7 +223,7 @@ def setup(args, options: TrainOptions, plan: RoundPlan) -> Setup:
     model.config.use_cache = False
     backend = backends.build(model, options, job, order.accumulation)
     if args.optimizer_in:
-        backend.load_optimizer(Path(args.optimizer_in))
+        backend.load_optimizer(args.optimizer_in)
     return Setup(
         args=args,
         options=options,
@@ -210,14 +234,14 @@ def setup(args, options: TrainOptions, plan: RoundPlan) -> Setup:
         task=task,
         job=job,
         backend=backend,
-        identity=run_identity(options, plan, Path(args.init), blocks, job.world_size),
+        identity=run_identity(options, plan, args.init, blocks, job.world_size),
     )
 
 
 def resume(run: Setup, progress: TrainingProgress) -> None:
     """Continue from the newest complete checkpoint, if there is one of this run."""
 
-    root = Path(run.args.checkpoints)
+    root = run.args.checkpoints
     last = checkpoint.newest(root)
     if last is None:
         return
@@ -245,7 +269,7 @@ def save_checkpoint(run: Setup, progress: TrainingProgress, started: float) -> N
         "identity": run.identity,
     }
     path = checkpoint.save(
-        Path(run.args.checkpoints), progress.step, run.backend, trainer, progress.loss_log, run.job,
+        run.args.checkpoints, progress.step, run.backend, trainer, progress.loss_log, run.job,
         run.options.keep_checkpoints,
     )  # fmt: skip
     if run.job.is_main:
@@ -279,7 +303,7 @@ def train_step(run: Setup, step: int, lr: float, stop: StopRequest) -> tuple[flo
     return totals[0].item() / step_tokens, grad_norm, step_tokens, totals[1].item() > 0
 
 
-def train(args, options: TrainOptions, plan: RoundPlan = RoundPlan()) -> int:
+def train(args: TrainJob, options: TrainOptions, plan: RoundPlan = RoundPlan()) -> int:
     import warnings
 
     # DeepSpeed calls these deprecated collectives on every step; one warning per call would bury the log.
@@ -330,10 +354,10 @@ def train(args, options: TrainOptions, plan: RoundPlan = RoundPlan()) -> int:
     export(run, progress, started)
     if args.optimizer_out:
         # Collective: the site's optimizer state for its next round (federation.site_optimizer keep).
-        run.backend.save_optimizer(Path(args.optimizer_out))
+        run.backend.save_optimizer(args.optimizer_out)
     distributed.barrier()
     if options.remove_checkpoints and job.is_main:
-        checkpoint.remove_all(Path(args.checkpoints))
+        checkpoint.remove_all(args.checkpoints)
     distributed.stop()
     return 0
 
@@ -433,7 +457,8 @@ def main(argv=None) -> int:
         if not 1 <= args.round <= args.rounds:
             raise ConfigError(f"--round: {args.round} is not in 1..{args.rounds} (--rounds)")
         plan = RoundPlan(args.round, args.rounds, args.lr_schedule)
-        code = train(args, TrainOptions.from_json(args.options, source="--options"), plan)
+        options = TrainOptions.from_json(args.options, source="--options")
+        code = train(TrainJob.from_args(args), options, plan)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USER_ERROR
