@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fedtune import offline
+from fedtune.progress import track
 
 
 class EvaluateError(ValueError):
@@ -79,8 +80,12 @@ def build_stream(
     return Stream(flat.tolist(), len(texts), n_bytes)
 
 
-def score(model, ids: Sequence[int], max_length: int, stride: int | None, batch_size: int, device=None):
-    """(total NLL in nats, tokens scored, windows) of `model` on the token stream `ids`."""
+def score(
+    model, ids: Sequence[int], max_length: int, stride: int | None, batch_size: int, device=None,
+    desc: str = "evaluate",
+):  # fmt: skip
+    """(total NLL in nats, tokens scored, windows) of `model` on the token stream `ids`; `desc` labels
+    the progress bar (or, in a log, its periodic lines)."""
     import torch
     import torch.nn.functional as F
 
@@ -90,7 +95,7 @@ def score(model, ids: Sequence[int], max_length: int, stride: int | None, batch_
     # Summed on the device, read once at the end: a .item() per batch would stall a GPU every step.
     nll = torch.zeros((), dtype=torch.float64, device=device)
     scored = 0
-    for first in range(0, len(spans), batch_size):
+    for first in track(range(0, len(spans), batch_size), desc=desc, unit="batch"):
         batch = spans[first : first + batch_size]
         width = max(w.end - w.begin for w in batch)
         # Right padding: a causal model's earlier positions never see it, and its labels are masked.
@@ -169,12 +174,14 @@ def classification_metrics(labels: Sequence[int], predictions: Sequence[int]) ->
     }
 
 
-def classify(model, rows, lengths, batch_size: int, device) -> tuple[list[int], list[list[float]]]:
+def classify(
+    model, rows, lengths, batch_size: int, device, desc: str = "evaluate"
+) -> tuple[list[int], list[list[float]]]:
     """Predicted class and logits of each row; a batch is cut to its longest row, the rest masked."""
     import torch
 
     predictions, all_logits = [], []
-    for first in range(0, len(rows), batch_size):
+    for first in track(range(0, len(rows), batch_size), desc=desc, unit="batch"):
         width = int(lengths[first : first + batch_size].max())
         input_ids = torch.as_tensor(rows[first : first + batch_size, :width], dtype=torch.long)
         mask = torch.arange(width)[None, :] < torch.as_tensor(lengths[first : first + batch_size])[:, None]
@@ -228,7 +235,14 @@ def evaluate_classifier(
     except TokenizeError as e:
         raise EvaluateError(str(e)) from None
     model.to(device).eval()
-    predictions, logits = classify(model, rows, lengths, batch_size, device)
+    predictions, logits = classify(
+        model,
+        rows,
+        lengths,
+        batch_size,
+        device,
+        desc=f"evaluate {Path(model_dir).name} on {split} of {data_dir}",
+    )
     log_probs = torch.log_softmax(torch.tensor(logits, dtype=torch.float64), dim=-1)
     nll = float(-log_probs[torch.arange(len(labels)), torch.as_tensor(labels)].mean())
     metrics = classification_metrics(labels.tolist(), predictions)
@@ -318,7 +332,10 @@ def evaluate(
         )
     model.to(device).eval()
 
-    nll, scored, n_windows = score(model, stream.ids, max_length, stride, batch_size, device)
+    nll, scored, n_windows = score(
+        model, stream.ids, max_length, stride, batch_size, device,
+        desc=f"evaluate {label or Path(model_dir).name} on {site or data_dir} ({split})",
+    )  # fmt: skip
     mean = nll / scored
     return {
         **identity,
