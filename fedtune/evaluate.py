@@ -390,6 +390,24 @@ def resolve_options(options_json: str | None, flags: dict) -> dict:
     return {key: options[key] if flags.get(key, _UNSET) is _UNSET else flags[key] for key in OPTION_KEYS}
 
 
+def _tracking_options(args) -> dict | None:
+    """The tracking section of --tracking, checked before any model loads (None: not tracked)."""
+    import json
+
+    from fedtune import tracking
+
+    if args.tracking is None:
+        return None
+    try:
+        options = json.loads(args.tracking)
+    except json.JSONDecodeError as e:
+        raise tracking.TrackingError(f"--tracking: not valid JSON: {e}") from None
+    options = tracking.check_available(options)
+    if options["backend"] != "none" and (args.run is None or args.round is None or args.label is None):
+        raise tracking.TrackingError("--tracking: needs --run, --round and --label to name the tracked run")
+    return options
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     offline.enforce()
     parser = argparse.ArgumentParser(
@@ -430,12 +448,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--round", type=int, default=None, help="federation round of the model (base: 0)")
     parser.add_argument("--out", required=True, help="result JSON")
+    parser.add_argument(
+        "--tracking",
+        default=None,
+        help="the config's tracking section as JSON, dir resolved (fedtune.tracking)",
+    )
+    parser.add_argument("--run", default=None, help="the run's name, for the tracked run's name")
     args = parser.parse_args(argv)
 
+    from fedtune import tracking
     from fedtune.atomic import write_json
     from fedtune.models import ModelError
 
     try:
+        track = _tracking_options(args)
         options = resolve_options(args.options, {key: getattr(args, key) for key in OPTION_KEYS})
         result = evaluate(
             args.model,
@@ -452,10 +478,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             label_field=args.label_field,
             **options,
         )
-    except (EvaluateError, ModelError) as e:
+    except (EvaluateError, ModelError, tracking.TrackingError) as e:
         print(f"evaluate: error: {e}", file=sys.stderr)
         return 2
     write_json(args.out, result)
+    if track is not None:
+        tracking.log_evaluation(track, result, run=args.run)
     if args.task == "sequence-classification":
         print(
             f"[evaluate] {result['model']} on {result['site'] or args.data}: accuracy {result['accuracy']:.4f}, "

@@ -183,9 +183,26 @@ def options_with_defaults(tracking: Mapping | None) -> dict:
     return options
 
 
-def tracking_dir(tracking: Mapping | None, run_dir: str | Path) -> Path:
+def check_available(tracking: Mapping | None) -> dict:
+    """The section with defaults, once its backend's package is known to import: a stage calls this
+    before its expensive part, so a missing extra fails the job at once, not after hours."""
+    options = options_with_defaults(tracking)
+    package = {"tensorboard": "tensorboard", "wandb": "wandb"}.get(options["backend"])
+    if package is not None:
+        import importlib.util
+
+        if importlib.util.find_spec(package) is None:
+            raise TrackingError(
+                f"tracking.backend: {options['backend']} needs the {package} package: pip install -e '.[tracking]'"
+            )
+    return options
+
+
+def tracking_dir(tracking: Mapping | None, run_dir: str | Path | None) -> Path:
     """Where the backend writes: tracking.dir, or <results>/<run>/tracking."""
     options = options_with_defaults(tracking)
+    if not options["dir"] and run_dir is None:
+        raise TrackingError("tracking.dir: not set, and no run folder to put it in")
     base = Path(options["dir"]) if options["dir"] else Path(run_dir) / "tracking"
     return base / options["backend"] if options["backend"] == "tensorboard" else base
 
@@ -241,7 +258,9 @@ def evaluation_metrics(result: Mapping) -> dict:
     }
 
 
-def log_evaluation(tracking: Mapping | None, result: Mapping, *, run: str, run_dir: str | Path) -> None:
+def log_evaluation(
+    tracking: Mapping | None, result: Mapping, *, run: str, run_dir: str | Path | None = None
+) -> None:
     """Send one evaluate result (the JSON evaluate writes) to the evaluated model's tracked run."""
     if options_with_defaults(tracking)["backend"] == "none":
         return
@@ -267,7 +286,7 @@ def aggregate_metrics(record: Mapping) -> dict:
 
 
 def log_aggregate(
-    tracking: Mapping | None, record: Mapping, *, run: str, round: int, run_dir: str | Path
+    tracking: Mapping | None, record: Mapping, *, run: str, round: int, run_dir: str | Path | None = None
 ) -> None:
     """Send one aggregate.json record to the tracked run (run, round, aggregate)."""
     if options_with_defaults(tracking)["backend"] == "none":
