@@ -34,6 +34,7 @@ class RunLayout:
     run_dir: Path
     rounds: int
     sites: tuple[str, ...]
+    report_table: str = "perplexity.csv"  # the report's main table, written last
 
 
 def layout_from_config(path: str | Path) -> RunLayout:
@@ -45,6 +46,7 @@ def layout_from_config(path: str | Path) -> RunLayout:
         run_dir=Path(config["results"]) / config["run"],
         rounds=config["federation"]["rounds"],
         sites=tuple(config["sites"]),
+        report_table="accuracy.csv" if config["task"] == "sequence-classification" else "perplexity.csv",
     )
 
 
@@ -151,7 +153,7 @@ def collect(layout: RunLayout) -> dict:
             for s in layout.sites
         ],
         "rounds": [round_stages(layout.run_dir, r, layout.sites) for r in range(1, layout.rounds + 1)],
-        "report": (layout.run_dir / "report").is_dir(),
+        "report": (layout.run_dir / "report" / layout.report_table).is_file(),
     }
 
 

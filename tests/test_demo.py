@@ -4,13 +4,16 @@ sites, aggregate, evaluate, report; then a rerun that has nothing to do and the 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pandas as pd
 import pytest
 from PIL import Image
 
 from . import report_browser
-from .workflow_harness import demo_config, snakemake, write_config
+from .workflow_harness import ROOT, demo_config, snakemake, write_config
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +48,22 @@ def test_every_stage_left_its_outputs(demo):
     assert record["method"] == "fedavg"
     for name in ("perplexity.csv", "perplexity.md", "perplexity.png", "loss.png", "training.csv"):
         assert (run / "report" / name).stat().st_size > 0, name
+
+
+def test_status_summarises_the_finished_run(demo):
+    run, workdir = demo
+    result = subprocess.run(
+        [sys.executable, "-m", "fedtune.status", "--configfile", "config.yaml", "--json"],
+        cwd=workdir, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    status = json.loads(result.stdout)
+    for site in status["sites"]:
+        training = json.loads((run / "round-1" / site["site"] / "model" / "training.json").read_text())
+        assert (site["state"], site["step"], site["total_steps"]) == ("done", 60, 60)
+        assert site["loss"] == training["final_loss"] and site["elapsed_s"] == training["wall_time_s"]
+    assert status["rounds"] == [{"round": 1, "aggregate": True, "evaluations": 6, "evaluations_expected": 6}]
+    assert status["report"] is True
 
 
 def test_rerun_has_nothing_to_do_and_the_html_report_builds(demo):

@@ -65,6 +65,9 @@ def run(tmp_path):
     # round 1's aggregate and half of its evaluations
     (run / "round-1" / "aggregate" / "model").mkdir(parents=True)
     (run / "round-1" / "aggregate" / "model" / "aggregate.json").write_text("{}")
+    # The report folder exists early (settings.json); the report is written when its main table is.
+    (run / "report").mkdir()
+    (run / "report" / "settings.json").write_text("{}")
     for model_name, site in [("alpha", "alpha"), ("alpha", "beta"), ("aggregate", "alpha")]:
         path = run / "round-1" / "eval" / model_name / f"{site}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
