@@ -16,6 +16,11 @@ Where the stages call it (rank 0 only):
                per step: tracker.log(*loss_row_metrics(row)); at the end: tracker.log_summary(summary)
     evaluate   log_evaluation(tracking, result, run=..., run_dir=...)  (the result JSON it writes)
     aggregate  log_aggregate(tracking, record, run=..., round=r, run_dir=...)  (aggregate.json)
+
+After the fact (a finished stage, or a run trained before tracking was on), from the files themselves:
+    python -m fedtune.tracking training --path round-1/alpha/model --round 1 --site alpha --run R --tracking JSON
+    python -m fedtune.tracking aggregate --path round-1/aggregate/model/aggregate.json --round 1 ...
+    python -m fedtune.tracking evaluation --path round-1/eval/alpha/beta.json ...
 """
 
 from __future__ import annotations
@@ -303,3 +308,69 @@ def log_aggregate(
         tracker.log_every = 1
         tracker.log(round, metrics)
         tracker.log_summary({**metrics, "aggregate/method": record.get("method")})
+
+
+def log_training_folder(
+    tracking: Mapping | None,
+    model_dir: str | Path,
+    *,
+    run: str,
+    round: int,
+    site: str,
+    run_dir: str | Path | None = None,
+) -> int:
+    """Send a finished site model's loss.csv and training.json (as train wrote them) to its tracked run,
+    after the fact: for runs trained before tracking was on. Returns the rows sent."""
+    model_dir = Path(model_dir)
+    lines = (model_dir / "loss.csv").read_text().splitlines()
+    summary = json.loads((model_dir / "training.json").read_text())
+    if not lines or lines[0].strip() != LOSS_HEADER:
+        raise TrackingError(f"{model_dir / 'loss.csv'}: expected the header {LOSS_HEADER}")
+    with start(
+        tracking, run=run, round=round, site=site, job_type="train", config=summary.get("options", {}), run_dir=run_dir
+    ) as tracker:  # fmt: skip
+        for line in lines[1:]:
+            tracker.log(*loss_row_metrics(line, lines[0]))
+        tracker.log_summary({k: v for k, v in summary.items() if k != "options"})
+    return len(lines) - 1
+
+
+def main(argv=None) -> int:
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(
+        prog="python -m fedtune.tracking",
+        description="Send a stage's results, as written in the run folder, to the configured tracker.",
+    )
+    parser.add_argument("what", choices=["training", "aggregate", "evaluation"])
+    parser.add_argument(
+        "--tracking", required=True, help="the config's tracking section as JSON (dir resolved)"
+    )
+    parser.add_argument("--run", required=True, help="the run's name")
+    parser.add_argument(
+        "--path", required=True, help="model folder (training), aggregate.json or an evaluate JSON"
+    )
+    parser.add_argument("--round", type=int, help="training, aggregate: the round")
+    parser.add_argument("--site", help="training: the site")
+    args = parser.parse_args(argv)
+    try:
+        options = check_available(json.loads(args.tracking))
+        if args.what == "evaluation":
+            log_evaluation(options, json.loads(Path(args.path).read_text()), run=args.run)
+        elif args.round is None or (args.what == "training" and args.site is None):
+            raise TrackingError(
+                f"{args.what}: needs --round" + (" and --site" if args.what == "training" else "")
+            )
+        elif args.what == "aggregate":
+            log_aggregate(options, json.loads(Path(args.path).read_text()), run=args.run, round=args.round)
+        else:
+            log_training_folder(options, args.path, run=args.run, round=args.round, site=args.site)
+    except (TrackingError, OSError, json.JSONDecodeError) as e:
+        print(f"tracking: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

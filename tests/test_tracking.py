@@ -201,3 +201,31 @@ def test_wandb_offline_run_holds_the_loss_rows(tmp_path, monkeypatch):
         merged["summary"]["aggregate/weight/beta"] == 0.25
         and merged["summary"]["aggregate/method"] == "fedavg"
     )
+
+
+@needs_tensorboard
+def test_cli_sends_a_finished_stage_from_its_files(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    model = tmp_path / "round-1" / "alpha" / "model"
+    model.mkdir(parents=True)
+    rows = loss_rows(7)
+    (model / "loss.csv").write_text(tracking.LOSS_HEADER + "\n" + "".join(rows))
+    (model / "training.json").write_text(json.dumps(SUMMARY))
+    (tmp_path / "aggregate.json").write_text(json.dumps(AGGREGATE_RECORD))
+    options = json.dumps({"backend": "tensorboard", "dir": str(tmp_path / "tracked")})
+    common = ["--tracking", options, "--run", "demo", "--round", "1"]
+    assert tracking.main(["training", "--path", str(model), "--site", "alpha", *common]) == 0
+    assert tracking.main(["aggregate", "--path", str(tmp_path / "aggregate.json"), *common]) == 0
+    root = tmp_path / "tracked" / "tensorboard" / "demo" / "round-1"
+    events = EventAccumulator(str(root / "alpha"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("train/grad_norm")] == pytest.approx(
+        [as_numbers(r)["grad_norm"] for r in rows], rel=1e-6
+    )
+    events = EventAccumulator(str(root / "aggregate"))
+    events.Reload()
+    assert events.Scalars("aggregate/weight/beta")[0].value == pytest.approx(0.25)
+    # Mistakes are named, not tracebacks.
+    assert tracking.main(["training", "--path", str(model), *common]) == 2
+    assert tracking.main(["aggregate", "--path", str(tmp_path / "none.json"), *common]) == 2
