@@ -13,7 +13,8 @@ demo: env
 	snakemake --profile profiles/local
 
 ## test: the test suite (CI runs exactly this)
-test: env
+test:
+	@scripts/setup-env --tests
 	python -m pytest -ra --durations=20 tests
 
 ## lint: ruff, snakefmt and snakemake --lint (also run inside the test suite)

@@ -227,6 +227,18 @@ def download_model(
     print(f"saved the {source} model to {out}")
 
 
+def _download_measure(spec: dict):
+    """For a hub model, how much of it is in the hub cache so far (a log line every half minute)."""
+    if spec.get("source") != "hf" or not spec.get("name"):
+        return None
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    from fedtune.progress import folder_size
+
+    folder = Path(HF_HUB_CACHE) / ("models--" + spec["name"].replace("/", "--"))
+    return lambda: folder_size(folder)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m fedtune.download",
@@ -248,11 +260,17 @@ def main(argv=None) -> int:
     model.add_argument("--task", default=CAUSAL_LM, choices=TASKS)
     model.add_argument("--out", required=True)
     args = parser.parse_args(argv)
+    from fedtune import progress
+
+    progress.quiet_library_bars()
     try:
         if args.what == "data":
-            download_data(json.loads(args.spec), args.out, args.num_labels)
+            with progress.Heartbeat(f"download data to {args.out}"):
+                download_data(json.loads(args.spec), args.out, args.num_labels)
         else:
-            download_model(json.loads(args.spec), args.out, json.loads(args.corpora), args.task)
+            spec = json.loads(args.spec)
+            with progress.Heartbeat(f"download model to {args.out}", measure=_download_measure(spec)):
+                download_model(spec, args.out, json.loads(args.corpora), args.task)
     except (UserError, ValueError, OSError) as error:
         print(f"error: {redact(str(error))}", file=sys.stderr)
         return 2

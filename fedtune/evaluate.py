@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedtune import offline
+from fedtune import offline, tracking
 from fedtune.atomic import write_json
 from fedtune.config import (
     CAUSAL_LM,
@@ -38,6 +38,7 @@ from fedtune.config import (
     label_problem,
 )
 from fedtune.models import load_causal_lm, load_model, load_tokenizer
+from fedtune.progress import track
 from fedtune.tokenize import TokenizeError, encode_documents, encode_examples
 
 
@@ -92,8 +93,12 @@ def build_stream(
     return Stream(flat.tolist(), len(texts), n_bytes)
 
 
-def score(model, ids: Sequence[int], max_length: int, stride: int | None, batch_size: int, device=None):
-    """(total NLL in nats, tokens scored, windows) of `model` on the token stream `ids`."""
+def score(
+    model, ids: Sequence[int], max_length: int, stride: int | None, batch_size: int, device=None,
+    desc: str = "evaluate",
+):  # fmt: skip
+    """(total NLL in nats, tokens scored, windows) of `model` on the token stream `ids`; `desc` labels
+    the progress bar (or, in a log, its periodic lines)."""
     import torch
     import torch.nn.functional as F
 
@@ -103,7 +108,7 @@ def score(model, ids: Sequence[int], max_length: int, stride: int | None, batch_
     # Summed on the device, read once at the end: a .item() per batch would stall a GPU every step.
     nll = torch.zeros((), dtype=torch.float64, device=device)
     scored = 0
-    for first in range(0, len(spans), batch_size):
+    for first in track(range(0, len(spans), batch_size), desc=desc, unit="batch"):
         batch = spans[first : first + batch_size]
         width = max(w.end - w.begin for w in batch)
         # Right padding: a causal model's earlier positions never see it, and its labels are masked.
@@ -182,12 +187,14 @@ def classification_metrics(labels: Sequence[int], predictions: Sequence[int]) ->
     }
 
 
-def classify(model, rows, lengths, batch_size: int, device) -> tuple[list[int], list[list[float]]]:
+def classify(
+    model, rows, lengths, batch_size: int, device, desc: str = "evaluate"
+) -> tuple[list[int], list[list[float]]]:
     """Predicted class and logits of each row; a batch is cut to its longest row, the rest masked."""
     import torch
 
     predictions, all_logits = [], []
-    for first in range(0, len(rows), batch_size):
+    for first in track(range(0, len(rows), batch_size), desc=desc, unit="batch"):
         width = int(lengths[first : first + batch_size].max())
         input_ids = torch.as_tensor(rows[first : first + batch_size, :width], dtype=torch.long)
         mask = torch.arange(width)[None, :] < torch.as_tensor(lengths[first : first + batch_size])[:, None]
@@ -238,7 +245,14 @@ def evaluate_classifier(
     except TokenizeError as e:
         raise EvaluateError(str(e)) from None
     model.to(device).eval()
-    predictions, logits = classify(model, rows, lengths, batch_size, device)
+    predictions, logits = classify(
+        model,
+        rows,
+        lengths,
+        batch_size,
+        device,
+        desc=f"evaluate {Path(model_dir).name} on {split} of {data_dir}",
+    )
     log_probs = torch.log_softmax(torch.tensor(logits, dtype=torch.float64), dim=-1)
     nll = float(-log_probs[torch.arange(len(labels)), torch.as_tensor(labels)].mean())
     metrics = classification_metrics(labels.tolist(), predictions)
@@ -319,7 +333,10 @@ def evaluate(
     model = load_causal_lm(model_dir, dtype=dtype)
     model.to(device).eval()
 
-    nll, scored, n_windows = score(model, stream.ids, max_length, stride, batch_size, device)
+    nll, scored, n_windows = score(
+        model, stream.ids, max_length, stride, batch_size, device,
+        desc=f"evaluate {label or Path(model_dir).name} on {site or data_dir} ({split})",
+    )  # fmt: skip
     mean = nll / scored
     return {
         **identity,
@@ -367,6 +384,20 @@ def resolve_options(options_json: str | None, flags: dict) -> EvaluateOptions:
     return dataclasses.replace(options, **given)
 
 
+def _tracking_options(args) -> dict | None:
+    """The tracking section of --tracking, checked before any model loads (None: not tracked)."""
+    if args.tracking is None:
+        return None
+    try:
+        options = json.loads(args.tracking)
+    except json.JSONDecodeError as e:
+        raise tracking.TrackingError(f"--tracking: not valid JSON: {e}") from None
+    options = tracking.check_available(options)
+    if options["backend"] != "none" and (args.run is None or args.round is None or args.label is None):
+        raise tracking.TrackingError("--tracking: needs --run, --round and --label to name the tracked run")
+    return options
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     offline.enforce()
     parser = argparse.ArgumentParser(
@@ -407,9 +438,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--round", type=int, default=None, help="federation round of the model (base: 0)")
     parser.add_argument("--out", required=True, help="result JSON")
+    parser.add_argument(
+        "--tracking",
+        default=None,
+        help="the config's tracking section as JSON, dir resolved (fedtune.tracking)",
+    )
+    parser.add_argument("--run", default=None, help="the run's name, for the tracked run's name")
     args = parser.parse_args(argv)
 
     try:
+        tracked = _tracking_options(args)
         options = resolve_options(args.options, {key: getattr(args, key) for key in OPTION_KEYS})
         result = evaluate(
             args.model,
@@ -430,6 +468,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"evaluate: error: {e}", file=sys.stderr)
         return 2
     write_json(args.out, result)
+    if tracked is not None:
+        tracking.log_evaluation(tracked, result, run=args.run)
     if args.task == CLASSIFICATION:
         print(
             f"[evaluate] {result['model']} on {result['site'] or args.data}: accuracy {result['accuracy']:.4f}, "

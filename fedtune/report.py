@@ -9,6 +9,9 @@ training.json and loss.csv per (round, site). Outputs, in --out:
     rounds.png               perplexity of each round's aggregate (and the base model) per site
     training.csv / .md       per (round, site): steps, tokens, wall time, tokens/s, final loss
     loss.png                 loss curves of every site, rounds one after the other
+    perplexity.html          the perplexity and bits-per-byte tables as a web page (snakemake --report)
+    training.html            the training table as a web page
+    settings.csv / .html     the run's settings, one row per config key (with --settings)
 
 For classifiers (task sequence-classification) accuracy takes the place of perplexity (accuracy.csv /
 .md / .png, the .md with macro-F1 below it) and macro_f1.csv that of bits per byte; higher is better.
@@ -268,6 +271,47 @@ def markdown(
     return "\n".join(lines) + "\n"
 
 
+HTML_STYLE = (
+    "body{font-family:system-ui,sans-serif;margin:1em;color:#111}"
+    "table{border-collapse:collapse;margin:0.5em 0 1.5em}"
+    "th,td{border:1px solid #bbb;padding:0.25em 0.6em}td.n{text-align:right}"
+    "th{background:#e8edf3}td.best{font-weight:bold;background:#e6f4ea}"
+)
+
+
+def html_page(title: str, sections: Sequence[tuple[str, pd.DataFrame, dict]]) -> str:
+    """A self-contained web page of tables, for the Snakemake report (which shows HTML, not CSV):
+    each section is (heading, table, options for markdown-like formatting: digits, bold_min, bold_max)."""
+    from html import escape
+
+    parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{escape(title)}</title>"]
+    parts.append(f"<style>{HTML_STYLE}</style></head><body><h2>{escape(title)}</h2>")
+    for heading, table, options in sections:
+        digits = options.get("digits", 3)
+        best = {c: table[c].min() for c in options.get("bold_min", ()) if table[c].notna().any()}
+        best.update({c: table[c].max() for c in options.get("bold_max", ()) if table[c].notna().any()})
+        if heading:
+            parts.append(f"<p>{escape(heading)}</p>")
+        parts.append("<table><thead><tr>")
+        parts += [f"<th>{escape(str(c))}</th>" for c in table.columns]
+        parts.append("</tr></thead><tbody>")
+        for _, row in table.iterrows():
+            parts.append("<tr>")
+            for c in table.columns:
+                value = row[c]
+                value = value.item() if hasattr(value, "item") else value
+                text = _cell(value, digits.get(c, 3) if isinstance(digits, dict) else digits)
+                classes = ["n"] if pd.api.types.is_numeric_dtype(table[c]) else []
+                if c in best and value == best[c]:
+                    classes.append("best")
+                cls = f" class='{' '.join(classes)}'" if classes else ""
+                parts.append(f"<td{cls}>{escape(text)}</td>")
+            parts.append("</tr>")
+        parts.append("</tbody></table>")
+    parts.append("</body></html>\n")
+    return "".join(parts)
+
+
 def _row_labels(table: pd.DataFrame) -> list[str]:
     return [
         model if rnd == 0 else f"round {rnd} · {model}"
@@ -389,11 +433,27 @@ def loss_figure(entries: Sequence[tuple[int, str, Path]], path: Path) -> None:
 # ---------------------------------------------------------------------------------------------------
 
 
+def settings_table(settings: dict) -> pd.DataFrame:
+    """A nested config as one row per leaf key (`sites.alpha.train.backend`); lists stay JSON."""
+    rows = []
+
+    def walk(value, key):
+        if isinstance(value, dict) and value:
+            for name, inner in value.items():
+                walk(inner, f"{key}.{name}" if key else str(name))
+        else:
+            rows.append((key, value if isinstance(value, str) else json.dumps(value)))
+
+    walk(settings, "")
+    return pd.DataFrame(rows, columns=["setting", "value"])
+
+
 def report(
     out_dir: str | Path,
     evals: Sequence[str | Path],
     training: Sequence[tuple[int, str, Path]] = (),
     losses: Sequence[tuple[int, str, Path]] = (),
+    settings: dict | None = None,
 ) -> dict[str, Path]:
 
     out_dir = Path(out_dir)
@@ -428,14 +488,42 @@ def report(
     if not metrics.lower_is_better:
         text += "\nMacro-F1 (the mean of the per-class F1 scores):\n\n" + markdown(second, **bold)
     write_text(paths[f"{metrics.main}_md"], text)
-    write_text(paths["training_csv"], train.to_csv(index=False))
+    second_title = (
+        "Macro-F1 (the mean of the per-class F1 scores)"
+        if not metrics.lower_is_better
+        else ("Bits per byte (independent of the tokenizer)")
+    )
+    paths[f"{metrics.main}_html"] = out_dir / f"{metrics.main}.html"
     write_text(
-        paths["training_md"], markdown(train, digits={"wall_time_s": 1, "tokens_per_s": 0, "final_loss": 4})
+        paths[f"{metrics.main}_html"],
+        html_page(
+            f"{metrics.title} of each model on each site's test split",
+            [
+                (f"{metrics.title}: the {best} per column in bold. Round 0 is the base model.", main, bold),
+                (f"{second_title}:", second, bold),
+            ],
+        ),
+    )
+    training_digits = {"wall_time_s": 1, "tokens_per_s": 0, "final_loss": 4}
+    write_text(paths["training_csv"], train.to_csv(index=False))
+    write_text(paths["training_md"], markdown(train, digits=training_digits))
+    paths["training_html"] = out_dir / "training.html"
+    write_text(
+        paths["training_html"], html_page("Training of each site", [("", train, {"digits": training_digits})])
     )
     gap = gap_table(main, metrics)
     if len(gap):
-        paths.update(gap_csv=out_dir / "gap.csv", gap_md=out_dir / "gap.md", gap_png=out_dir / "gap.png")
+        paths.update(
+            gap_csv=out_dir / "gap.csv",
+            gap_md=out_dir / "gap.md",
+            gap_html=out_dir / "gap.html",
+            gap_png=out_dir / "gap.png",
+        )
         write_text(paths["gap_csv"], gap.to_csv(index=False))
+        gap_digits = {"digits": {site: 2 for site in sites}}
+        write_text(
+            paths["gap_html"], html_page("Federation gap to the pooled model", [("", gap, gap_digits)])
+        )
         write_text(
             paths["gap_md"],
             f"Federation gap: {metrics.main} of each merged model relative to the pooled model (trained on "
@@ -446,7 +534,25 @@ def report(
     heatmap(main, paths[f"{metrics.main}_png"], f"{metrics.title} on each site's test split", metrics)
     rounds_figure(main, paths["rounds_png"], metrics)
     loss_figure(losses, paths["loss_png"])
+    if settings is not None:
+        table = settings_table(settings)
+        paths["settings_csv"] = out_dir / "settings.csv"
+        paths["settings_html"] = out_dir / "settings.html"
+        write_text(paths["settings_csv"], table.to_csv(index=False))
+        write_text(paths["settings_html"], html_page("Settings of the run", [("", table, {})]))
     return paths
+
+
+def _settings(path: str | None) -> dict | None:
+    if path is None:
+        return None
+    try:
+        settings = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ReportError(f"--settings: {path}: not a readable JSON file: {e}") from None
+    if not isinstance(settings, dict):
+        raise ReportError(f"--settings: {path}: must hold a JSON object (the run's config)")
+    return settings
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -475,11 +581,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="ROUND:SITE=CSV",
         help="loss.csv of each site model",
     )
+    parser.add_argument("--settings", metavar="JSON", help="a JSON file of the run's config (with defaults)")
     args = parser.parse_args(argv)
     try:
         training = [parse_labelled(item, "--training") for item in args.training]
         losses = [parse_labelled(item, "--loss") for item in args.loss]
-        paths = report(args.out, args.eval, training, losses)
+        settings = _settings(args.settings)
+        paths = report(args.out, args.eval, training, losses, settings)
     except ReportError as e:
         print(f"report: error: {e}", file=sys.stderr)
         return 2

@@ -195,9 +195,9 @@ def tokenize_shard(
     label_field: str = "label",
 ) -> dict:
     from datasets import load_from_disk
-    from tqdm import tqdm
 
     from fedtune.models import load_tokenizer
+    from fedtune.progress import Progress
 
     if mode not in MODES:
         raise TokenizeError(f"--mode: {mode!r} is not one of {MODES}")
@@ -230,7 +230,7 @@ def tokenize_shard(
 
     part = data.shard(num_shards=num_shards, index=shard, contiguous=True).select_columns([text_field])
     texts = (text for batch in part.iter(batch_size=4096) for text in batch[text_field])
-    with tqdm(total=len(part), desc=f"tokenize {split} shard {shard}", unit="doc", mininterval=2) as bar:
+    with Progress(len(part), desc=f"tokenize {split} shard {shard}", unit="doc") as bar:
         flat, lengths, n_bytes = encode_documents(texts, tokenizer, template, add_bos, progress=bar)
     if mode == "packing":
         blocks, labels = pack(flat, block_size)
@@ -270,9 +270,8 @@ def _tokenize_classification_shard(
     data, raw, split, shard, num_shards, tokenizer_dir, out, *, template, text_field, label_field, block_size,
     site,
 ) -> dict:  # fmt: skip
-    from tqdm import tqdm
-
     from fedtune.models import load_tokenizer
+    from fedtune.progress import Progress
 
     num_labels = model_num_labels(Path(tokenizer_dir))
     if num_labels is None:
@@ -291,7 +290,7 @@ def _tokenize_classification_shard(
     texts = (
         t for batch in part.select_columns([text_field]).iter(batch_size=4096) for t in batch[text_field]
     )
-    with tqdm(total=len(part), desc=f"tokenize {split} shard {shard}", unit="doc", mininterval=2) as bar:
+    with Progress(len(part), desc=f"tokenize {split} shard {shard}", unit="doc") as bar:
         rows, lengths, dropped, truncated, n_bytes = encode_examples(
             texts, tokenizer, template, block_size, progress=bar
         )

@@ -4,11 +4,16 @@ sites, aggregate, evaluate, report; then a rerun that has nothing to do and the 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pandas as pd
 import pytest
+from PIL import Image
 
-from .workflow_harness import demo_config, snakemake, write_config
+from . import report_browser
+from .workflow_harness import ROOT, demo_config, snakemake, write_config
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +50,22 @@ def test_every_stage_left_its_outputs(demo):
         assert (run / "report" / name).stat().st_size > 0, name
 
 
+def test_status_summarises_the_finished_run(demo):
+    run, workdir = demo
+    result = subprocess.run(
+        [sys.executable, "-m", "fedtune.status", "--configfile", "config.yaml", "--json"],
+        cwd=workdir, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    status = json.loads(result.stdout)
+    for site in status["sites"]:
+        training = json.loads((run / "round-1" / site["site"] / "model" / "training.json").read_text())
+        assert (site["state"], site["step"], site["total_steps"]) == ("done", 60, 60)
+        assert site["loss"] == training["final_loss"] and site["elapsed_s"] == training["wall_time_s"]
+    assert status["rounds"] == [{"round": 1, "aggregate": True, "evaluations": 6, "evaluations_expected": 6}]
+    assert status["report"] is True
+
+
 def test_rerun_has_nothing_to_do_and_the_html_report_builds(demo):
     _, workdir = demo
     again = snakemake(workdir, "-n")
@@ -52,3 +73,56 @@ def test_rerun_has_nothing_to_do_and_the_html_report_builds(demo):
     snakemake(workdir, "--report", "report.html")
     html = (workdir / "report.html").read_text(errors="replace")
     assert "perplexity" in html.lower()
+
+
+@pytest.mark.skipif(
+    report_browser.chromium() is None, reason="chromium missing: scripts/setup-env --tests installs it"
+)
+def test_the_html_report_shows_tables_figures_and_settings_in_a_browser(demo, tmp_path):
+    run, workdir = demo
+    report = workdir / "report.html"
+    if not report.is_file():
+        snakemake(workdir, "--report", "report.html")
+    driven = report_browser.driven_copy(report, tmp_path / "report.html")
+    figures = [("Perplexity", "perplexity.png"), ("Perplexity", "rounds.png"), ("Training", "loss.png")]
+    tables = [("Perplexity", "perplexity.html"), ("Training", "training.html"), ("Settings", "settings.html")]
+    shown = report_browser.show(driven, tables + figures)
+
+    def rendered(name: str) -> list[list[str]]:
+        assert shown[name]["frame"], shown[name]
+        return report_browser.rendered_table_rows(
+            report_browser.data_uri_bytes(shown[name]["frame"]), tmp_path
+        )
+
+    # The perplexity table: the page shows it in a frame whose cells hold the CSV's values.
+    assert set(shown["perplexity.html"]["categories"]) == {"Perplexity", "Training", "Settings"}
+    assert (
+        "Perplexity (exp of the mean negative log-likelihood" in shown["perplexity.html"]["info"]
+    )  # caption
+    rows = rendered("perplexity.html")
+    table = pd.read_csv(run / "report" / "perplexity.csv")
+    assert rows[0] == list(table.columns)
+    for (_, expected), cells in zip(table.iterrows(), rows[1:], strict=False):
+        assert cells[:2] == [str(expected["round"]), expected["model"]]
+        assert cells[2:] == [f"{expected[site]:,.3f}" for site in table.columns[2:]]
+    assert len([r for r in rows if r and r[0].isdigit()]) == 2 * len(table)  # perplexity + bits per byte
+
+    # Figures: each one is an image the browser decoded at the PNG's own size (not a broken image).
+    for _, name in figures:
+        with Image.open(run / "report" / name) as png:
+            assert shown[name]["img"] == {"width": png.width, "height": png.height, "complete": True}, name
+    assert "Training loss of every site" in shown["loss.png"]["info"]
+
+    # Training and settings tables, with their captions.
+    rows = rendered("training.html")
+    assert rows[0][:3] == ["round", "site", "steps"] and {r[1] for r in rows[1:]} == {"alpha", "beta"}
+    assert all(r[2] == "60" for r in rows[1:])
+    assert "The run's settings as Snakemake applied them" in shown["settings.html"]["info"]
+    settings = dict(map(tuple, rendered("settings.html")[1:]))
+    assert settings["federation.rounds"] == "1" and settings["aggregate.method"] == "fedavg"
+    assert settings["sites.beta.prompt_template"] == "Scrivi un bollettino: {text}"
+
+    # What a user sees: a screenshot of the table view and of a figure, neither a blank page.
+    for category, name in [("Perplexity", "perplexity.html"), ("Training", "loss.png")]:
+        png = report_browser.screenshot(driven, category, name, tmp_path / f"{name}.png")
+        assert report_browser.distinct_colours(png) > 20, f"{png}: a blank page"

@@ -3,6 +3,7 @@ bits per byte."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -171,6 +172,31 @@ def test_cli_writes_result(tiny_model_dir, raw_data, tmp_path, monkeypatch):
     for key in ("perplexity", "nll", "bits_per_byte", "tokens", "bytes", "windows"):
         assert result[key] > 0, key
     assert main([*argv[:-1], str(tmp_path / "bad.json"), "--split", "nope"]) == 2
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("tensorboard") is None,
+    reason="tensorboard missing: pip install -e '.[tracking]'",
+)
+def test_cli_sends_its_result_to_the_tracker(tiny_model_dir, raw_data, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from fedtune.evaluate import main
+
+    data, _ = raw_data
+    out, tracked = tmp_path / "beta.json", tmp_path / "tracking"
+    tracking = json.dumps({"backend": "tensorboard", "dir": str(tracked)})
+    argv = ["--model", str(tiny_model_dir), "--data", str(data), "--max-length", "32", "--site", "beta"]
+    argv += ["--label", "alpha", "--round", "1", "--out", str(out), "--tracking", tracking, "--run", "demo"]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    events = EventAccumulator(str(tracked / "tensorboard" / "demo" / "round-1" / "alpha"))
+    events.Reload()
+    (point,) = events.Scalars("eval/beta/perplexity")
+    assert point.step == 1 and point.value == pytest.approx(result["perplexity"], rel=1e-6)
+    # A tracker that cannot work fails before any model loads, naming the option.
+    assert main([*argv[:-4], "--out", str(tmp_path / "x.json"), "--tracking", "{", "--run", "demo"]) == 2
+    assert not (tmp_path / "x.json").exists()
 
 
 @pytest.mark.gpu

@@ -22,7 +22,7 @@ EVAL_SHELL = (
     " --text-field {params.text_field:q} --template {params.template:q} {params.bos}"
     " --options {params.options:q} {params.task}"
     " --site {wildcards.site} --label {params.label} --round {params.round}"
-    " --out {output:q} > {log:q} 2>&1"
+    " {params.tracking} --out {output:q} > {log:q} 2>&1"
 )
 
 
@@ -50,6 +50,7 @@ rule evaluate_base:
         label="base",
         round=0,
         task=lambda wc: eval_task_args(wc.site),
+        tracking=lambda wc: tracking_args(),
     shell:
         EVAL_SHELL
 

@@ -22,21 +22,51 @@ GAP_OUTPUTS = (
             caption="../report/gap.rst",
             category="Federation gap",
         )
-        for name, ext in (("gap", "csv"), ("gap_md", "md"), ("gap_png", "png"))
+        for name, ext in (
+            ("gap", "csv"),
+            ("gap_md", "md"),
+            ("gap_html", "html"),
+            ("gap_png", "png"),
+        )
     }
     if RUN.pooled
     else {}
 )
 
 
+rule report_settings:
+    output:
+        run_path("report", "settings.json"),
+    log:
+        log_path("report", "settings"),
+    localrule: True
+    conda:
+        CONDA_ENV
+    container:
+        CONTAINER
+    params:
+        # The config as validated, defaults included. A function: the templates' {text} is no wildcard.
+        settings=lambda wc: to_json(config),
+    shell:
+        "printf '%s\\n' {params.settings:q} > {output:q} 2> {log:q}"
+
+
 rule report:
     input:
         evals=EVAL_RESULTS,
+        # A file, not a param: the report shows every param of its rule beside each result.
+        settings=run_path("report", "settings.json"),
         # training.json and loss.csv live inside these folders (directory outputs of train).
         models=[site_model_dir(r, site) for r in ROUNDS for site in SITES]
         + ([pooled_model_dir()] if RUN.pooled else []),
     output:
         **GAP_OUTPUTS,
+        # The report shows web pages and images; CSV and Markdown files are downloads there.
+        main_html=report(
+            run_path("report", f"{REPORT_METRIC}.html"),
+            caption=f"../report/{REPORT_METRIC}.rst",
+            category=REPORT_TITLE,
+        ),
         main=report(
             run_path("report", f"{REPORT_METRIC}.csv"),
             caption=f"../report/{REPORT_METRIC}.rst",
@@ -62,6 +92,11 @@ rule report:
             caption="../report/rounds.rst",
             category=REPORT_TITLE,
         ),
+        training_html=report(
+            run_path("report", "training.html"),
+            caption="../report/training.rst",
+            category="Training",
+        ),
         training=report(
             run_path("report", "training.csv"),
             caption="../report/training.rst",
@@ -77,6 +112,12 @@ rule report:
             caption="../report/loss.rst",
             category="Training",
         ),
+        settings_html=report(
+            run_path("report", "settings.html"),
+            caption="../report/settings.rst",
+            category="Settings",
+        ),
+        settings=run_path("report", "settings.csv"),
     log:
         log_path("report", "report"),
     localrule: True
@@ -90,4 +131,5 @@ rule report:
         losses=LOSS_CURVES,
     shell:
         "python -m fedtune.report --out {params.out:q} --eval {input.evals:q}"
-        " --training {params.training:q} --loss {params.losses:q} > {log:q} 2>&1"
+        " --training {params.training:q} --loss {params.losses:q}"
+        " --settings {input.settings:q} > {log:q} 2>&1"
