@@ -15,7 +15,6 @@ report: "workflow/report/workflow.rst"
 
 
 include: "workflow/rules/common.smk"
-include: "workflow/rules/tracking.smk"
 include: "workflow/rules/download.smk"
 include: "workflow/rules/tokenize.smk"
 include: "workflow/rules/train.smk"

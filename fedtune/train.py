@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fedtune import backends, checkpoint, distributed, offline
+from fedtune import backends, checkpoint, distributed, offline, tracking
 from fedtune.atomic import atomic_dir, write_json, write_text
 from fedtune.blocks import BlockOrder, Blocks, manifest_shards, trained_tokens
 from fedtune.config import CAUSAL_LM, CLASSIFICATION, ConfigError, TrainOptions, UserError
@@ -44,7 +44,7 @@ EXIT_USER_ERROR = 2
 EXIT_RETRY = 75  # sysexits.h EX_TEMPFAIL: "temporary failure, the user is invited to retry"
 RETRY_MARKER_ENV = "FEDTUNE_RETRY_MARKER"
 TRAINING_SUMMARY = "training.json"
-LOSS_HEADER = "step,epoch,loss,lr,grad_norm,tokens_per_s,peak_mem_mb\n"
+LOSS_HEADER = tracking.LOSS_HEADER + "\n"
 
 
 def say(line: str) -> None:
@@ -132,6 +132,8 @@ class TrainJob:
     summary_only: bool = False
     optimizer_in: Path | None = None
     optimizer_out: Path | None = None
+    tracking: dict | None = None  # the config's tracking section, checked (None: not tracked)
+    run: str | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> TrainJob:
@@ -139,6 +141,8 @@ class TrainJob:
             site=args.site, init=args.init, manifest=tuple(args.manifest), checkpoints=args.checkpoints,
             out=args.out, dtype=args.dtype, allow_pickle=args.allow_pickle, summary_only=args.summary_only,
             optimizer_in=args.optimizer_in, optimizer_out=args.optimizer_out,
+            tracking=tracking.check_available(json.loads(args.tracking)) if args.tracking else None,
+            run=args.run,
         )  # fmt: skip
 
 
@@ -324,6 +328,12 @@ def train(args: TrainJob, options: TrainOptions, plan: RoundPlan = RoundPlan()) 
         )
     progress = TrainingProgress()
     resume(run, progress)
+    tracker = tracking.Tracker()
+    if job.is_main and args.tracking:
+        tracker = tracking.start(
+            args.tracking, run=args.run or "fedtune", round=plan.round, site=args.site, job_type="train",
+            config=options.to_dict(), run_dir=None,
+        )  # fmt: skip
 
     while progress.step < total:
         t0 = time.perf_counter()
@@ -338,6 +348,9 @@ def train(args: TrainJob, options: TrainOptions, plan: RoundPlan = RoundPlan()) 
         progress.loss_rows.append(
             f"{step},{epoch},{loss:.6f},{lr:.6e},{grad_norm:.6f},{tokens_per_s:.1f},{peak:.1f}\n"
         )
+        if job.is_main:
+            # The federation's step, so that the rounds' curves continue one another.
+            tracker.log(first + step, tracking.loss_row_metrics(progress.loss_rows[-1], LOSS_HEADER)[1])
         if job.is_main and (step % options.log_every == 0 or step == total or step == 1):
             say(
                 f"step {step}/{total} | loss {loss:.4f} | lr {lr:.2e} | grad_norm {grad_norm:.3f} | "
@@ -348,10 +361,14 @@ def train(args: TrainJob, options: TrainOptions, plan: RoundPlan = RoundPlan()) 
         if stop_now or (every and step % every == 0) or step == total:
             save_checkpoint(run, progress, started)
         if stop_now:
+            tracker.close()
             distributed.stop()
             return EXIT_RETRY
 
-    export(run, progress, started)
+    record = export(run, progress, started)
+    if record is not None:
+        tracker.log_summary(record)
+    tracker.close()
     if args.optimizer_out:
         # Collective: the site's optimizer state for its next round (federation.site_optimizer keep).
         run.backend.save_optimizer(args.optimizer_out)
@@ -398,14 +415,14 @@ def summary(run: Setup, progress: TrainingProgress, started: float) -> dict:
     }
 
 
-def export(run: Setup, progress: TrainingProgress, started: float) -> None:
+def export(run: Setup, progress: TrainingProgress, started: float) -> dict | None:
     """A Hugging Face model folder in --dtype, plus training.json and loss.csv (a sweep's summary-only
     run: no weights). Collective: every rank gathers the weights, rank 0 writes."""
 
     args = run.args
     state = None if args.summary_only else run.backend.full_state_dict()
     if not run.job.is_main:
-        return
+        return None
     record = summary(run, progress, started)
     with atomic_dir(args.out) as tmp:
         tmp.chmod(0o755)
@@ -419,6 +436,7 @@ def export(run: Setup, progress: TrainingProgress, started: float) -> None:
         write_json(tmp / TRAINING_SUMMARY, record)
         write_text(tmp / "loss.csv", progress.loss_log)
     say(f"exported {args.out}: {json.dumps({k: record[k] for k in ('steps', 'final_loss')})}")
+    return record
 
 
 def parse_args(argv=None):
@@ -442,6 +460,8 @@ def parse_args(argv=None):
     )  # fmt: skip
     parser.add_argument("--optimizer-in", type=Path, help="optimizer state of the site's previous round")
     parser.add_argument("--optimizer-out", type=Path, help="where to save the optimizer state at the end")
+    parser.add_argument("--tracking", help="the config's tracking section as JSON (fedtune.tracking)")
+    parser.add_argument("--run", help="the run's name, for the tracked run's name")
     parser.add_argument(
         "--summary-only",
         action="store_true",

@@ -88,8 +88,19 @@ def test_a_round_with_a_fresh_optimizer_differs_from_the_long_run(
     round 2 trains differently; its rates still continue the schedule."""
     first, _ = chained_rounds
     options = REFERENCE_OPTIONS | {"max_steps": STEPS}
-    run_training(first / "model", site_manifest, tmp_path, options, extra=["--rounds", "2", "--round", "2"])
+    # Tracked to TensorBoard on the way: the curves carry the federation's step numbers.
+    tracked = json.dumps({"backend": "tensorboard", "dir": str(tmp_path / "tracking")})
+    extra = ["--rounds", "2", "--round", "2", "--tracking", tracked, "--run", "demo"]
+    run_training(first / "model", site_manifest, tmp_path, options, extra=extra)
     assert lr_column(tmp_path / "model") == lr_column(reference_run / "model")[STEPS:]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tracking" / "tensorboard" / "demo" / "round-2" / "site"))
+    events.Reload()
+    logged = events.Scalars("train/loss")
+    assert [e.step for e in logged] == list(range(STEPS + 1, 2 * STEPS + 1))
+    assert [e.value for e in logged] == pytest.approx(losses(tmp_path / "model"), rel=1e-6)
+    assert events.Scalars("summary/steps")[0].value == STEPS
     assert losses(tmp_path / "model")[0] == pytest.approx(losses(reference_run / "model")[STEPS], abs=1e-6)
     assert losses(tmp_path / "model")[1:] != pytest.approx(
         losses(reference_run / "model")[STEPS + 1 :], abs=1e-6

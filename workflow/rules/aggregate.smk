@@ -47,6 +47,14 @@ if aggregates_here():
             method=AGGREGATE["method"],
             merge=MERGE_ARGS,
             server_optimizer=to_json(AGGREGATE["server_optimizer"]),
+            # With tracking on, the merge's record goes to the run's tracker after it is written.
+            track=lambda wc, output: (
+                f" && python -m fedtune.tracking aggregate --path {output.model}/aggregate.json"
+                f" --round {wc.round} {tracking_args()}"
+                f" >> {shlex.quote(log_path('aggregate', f'round-{wc.round}'))} 2>&1"
+                if tracking_args()
+                else ""
+            ),
             state_in=lambda wc, input: (
                 f"--server-state-in {shlex.quote(input.server_state[0])}"
                 if input.server_state
@@ -58,6 +66,7 @@ if aggregates_here():
             " --server-optimizer {params.server_optimizer:q} {params.state_in}"
             " --server-state-out {output.server_state:q}"
             " --model {params.models:q} --manifest {params.manifests:q} > {log:q} 2>&1"
+            "{params.track}"
 
     rule aggregate_compare:
         input:

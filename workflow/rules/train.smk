@@ -44,12 +44,14 @@ rule train:
         pickle="--allow-pickle" if config["model"]["allow_pickle"] else "",
         round_args=round_args,
         summary_only="",
+        tracking=lambda wc: tracking_args(),
     shell:
         # Appended, not overwritten: a resumed attempt keeps the log of the one it continues.
         "{params.launcher:q} {params.launch} -- python -m fedtune.train --site {params.site}"
         " --init {input.init:q} --manifest {input.manifest:q} --options {params.options:q}"
         " --dtype {params.dtype} --checkpoints {params.checkpoints:q} --out {output.model:q}"
-        " {params.round_args} {params.pickle} {params.summary_only} >> {log:q} 2>&1"
+        " {params.round_args} {params.pickle} {params.summary_only} {params.tracking}"
+        " >> {log:q} 2>&1"
 
 
 # The pooled baseline (federation.pooled_baseline): every site's training data at once, from the base
