@@ -393,8 +393,10 @@ def _tracking_options(args) -> dict | None:
     except json.JSONDecodeError as e:
         raise tracking.TrackingError(f"--tracking: not valid JSON: {e}") from None
     options = tracking.check_available(options)
-    if options["backend"] != "none" and (args.run is None or args.round is None or args.label is None):
-        raise tracking.TrackingError("--tracking: needs --run, --round and --label to name the tracked run")
+    if options["backend"] != "none" and (args.run_name is None or args.round is None or args.label is None):
+        raise tracking.TrackingError(
+            "--tracking: needs --run-name, --round and --label to name the tracked run"
+        )
     return options
 
 
@@ -443,7 +445,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="the config's tracking section as JSON, dir resolved (fedtune.tracking)",
     )
-    parser.add_argument("--run", default=None, help="the run's name, for the tracked run's name")
+    parser.add_argument("--run-name", default=None, help="the run's name, for the tracked run's name")
     args = parser.parse_args(argv)
 
     try:
@@ -469,7 +471,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     write_json(args.out, result)
     if tracked is not None:
-        tracking.log_evaluation(tracked, result, run=args.run)
+        tracking.log_evaluation(tracked, result, run=args.run_name)
     if args.task == CLASSIFICATION:
         print(
             f"[evaluate] {result['model']} on {result['site'] or args.data}: accuracy {result['accuracy']:.4f}, "

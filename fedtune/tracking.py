@@ -18,7 +18,7 @@ Where the stages call it (rank 0 only):
     aggregate  log_aggregate(tracking, record, run=..., round=r, run_dir=...)  (aggregate.json)
 
 After the fact (a finished stage, or a run trained before tracking was on), from the files themselves:
-    python -m fedtune.tracking training --path round-1/alpha/model --round 1 --site alpha --run R --tracking JSON
+    python -m fedtune.tracking training --path round-1/alpha/model --round 1 --site alpha --run-name R --tracking JSON
     python -m fedtune.tracking aggregate --path round-1/aggregate/model/aggregate.json --round 1 ...
     python -m fedtune.tracking evaluation --path round-1/eval/alpha/beta.json ...
 """
@@ -349,7 +349,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--tracking", required=True, help="the config's tracking section as JSON (dir resolved)"
     )
-    parser.add_argument("--run", required=True, help="the run's name")
+    parser.add_argument("--run-name", required=True, help="the run's name")
     parser.add_argument(
         "--path", required=True, help="model folder (training), aggregate.json or an evaluate JSON"
     )
@@ -359,15 +359,17 @@ def main(argv=None) -> int:
     try:
         options = check_available(json.loads(args.tracking))
         if args.what == "evaluation":
-            log_evaluation(options, json.loads(Path(args.path).read_text()), run=args.run)
+            log_evaluation(options, json.loads(Path(args.path).read_text()), run=args.run_name)
         elif args.round is None or (args.what == "training" and args.site is None):
             raise TrackingError(
                 f"{args.what}: needs --round" + (" and --site" if args.what == "training" else "")
             )
         elif args.what == "aggregate":
-            log_aggregate(options, json.loads(Path(args.path).read_text()), run=args.run, round=args.round)
+            log_aggregate(
+                options, json.loads(Path(args.path).read_text()), run=args.run_name, round=args.round
+            )
         else:
-            log_training_folder(options, args.path, run=args.run, round=args.round, site=args.site)
+            log_training_folder(options, args.path, run=args.run_name, round=args.round, site=args.site)
     except (TrackingError, OSError, json.JSONDecodeError) as e:
         print(f"tracking: error: {e}", file=sys.stderr)
         return 2

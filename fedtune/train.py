@@ -142,7 +142,7 @@ class TrainJob:
             out=args.out, dtype=args.dtype, allow_pickle=args.allow_pickle, summary_only=args.summary_only,
             optimizer_in=args.optimizer_in, optimizer_out=args.optimizer_out,
             tracking=tracking.check_available(json.loads(args.tracking)) if args.tracking else None,
-            run=args.run,
+            run=args.run_name,
         )  # fmt: skip
 
 
@@ -461,7 +461,8 @@ def parse_args(argv=None):
     parser.add_argument("--optimizer-in", type=Path, help="optimizer state of the site's previous round")
     parser.add_argument("--optimizer-out", type=Path, help="where to save the optimizer state at the end")
     parser.add_argument("--tracking", help="the config's tracking section as JSON (fedtune.tracking)")
-    parser.add_argument("--run", help="the run's name, for the tracked run's name")
+    # Not --run: torchrun would take it for its own --run-path.
+    parser.add_argument("--run-name", help="the run's name, for the tracked run's name")
     parser.add_argument(
         "--summary-only",
         action="store_true",

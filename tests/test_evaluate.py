@@ -187,7 +187,18 @@ def test_cli_sends_its_result_to_the_tracker(tiny_model_dir, raw_data, tmp_path)
     out, tracked = tmp_path / "beta.json", tmp_path / "tracking"
     tracking = json.dumps({"backend": "tensorboard", "dir": str(tracked)})
     argv = ["--model", str(tiny_model_dir), "--data", str(data), "--max-length", "32", "--site", "beta"]
-    argv += ["--label", "alpha", "--round", "1", "--out", str(out), "--tracking", tracking, "--run", "demo"]
+    argv += [
+        "--label",
+        "alpha",
+        "--round",
+        "1",
+        "--out",
+        str(out),
+        "--tracking",
+        tracking,
+        "--run-name",
+        "demo",
+    ]
     assert main(argv) == 0
     result = json.loads(out.read_text())
     events = EventAccumulator(str(tracked / "tensorboard" / "demo" / "round-1" / "alpha"))
@@ -195,7 +206,7 @@ def test_cli_sends_its_result_to_the_tracker(tiny_model_dir, raw_data, tmp_path)
     (point,) = events.Scalars("eval/beta/perplexity")
     assert point.step == 1 and point.value == pytest.approx(result["perplexity"], rel=1e-6)
     # A tracker that cannot work fails before any model loads, naming the option.
-    assert main([*argv[:-4], "--out", str(tmp_path / "x.json"), "--tracking", "{", "--run", "demo"]) == 2
+    assert main([*argv[:-4], "--out", str(tmp_path / "x.json"), "--tracking", "{", "--run-name", "demo"]) == 2
     assert not (tmp_path / "x.json").exists()
 
 

@@ -90,7 +90,7 @@ def test_a_round_with_a_fresh_optimizer_differs_from_the_long_run(
     options = REFERENCE_OPTIONS | {"max_steps": STEPS}
     # Tracked to TensorBoard on the way: the curves carry the federation's step numbers.
     tracked = json.dumps({"backend": "tensorboard", "dir": str(tmp_path / "tracking")})
-    extra = ["--rounds", "2", "--round", "2", "--tracking", tracked, "--run", "demo"]
+    extra = ["--rounds", "2", "--round", "2", "--tracking", tracked, "--run-name", "demo"]
     run_training(first / "model", site_manifest, tmp_path, options, extra=extra)
     assert lr_column(tmp_path / "model") == lr_column(reference_run / "model")[STEPS:]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -214,7 +214,7 @@ def test_cli_sends_a_finished_stage_from_its_files(tmp_path):
     (model / "training.json").write_text(json.dumps(SUMMARY))
     (tmp_path / "aggregate.json").write_text(json.dumps(AGGREGATE_RECORD))
     options = json.dumps({"backend": "tensorboard", "dir": str(tmp_path / "tracked")})
-    common = ["--tracking", options, "--run", "demo", "--round", "1"]
+    common = ["--tracking", options, "--run-name", "demo", "--round", "1"]
     assert tracking.main(["training", "--path", str(model), "--site", "alpha", *common]) == 0
     assert tracking.main(["aggregate", "--path", str(tmp_path / "aggregate.json"), *common]) == 0
     root = tmp_path / "tracked" / "tensorboard" / "demo" / "round-1"
