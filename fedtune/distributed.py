@@ -11,6 +11,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from fedtune.accelerators import UnsupportedDeviceError, check_device
+
 
 class LaunchError(RuntimeError):
     """The process was started in a way that cannot form a job: the message says which variable."""
@@ -62,7 +64,12 @@ def pick_device(choice: str, local_rank: int) -> torch.device:
         if not torch.cuda.is_available():
             raise LaunchError("device: cuda was asked for, but PyTorch sees no CUDA device")
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        return torch.device("cuda", torch.cuda.current_device())
+        device = torch.device("cuda", torch.cuda.current_device())
+        try:
+            check_device(device)
+        except UnsupportedDeviceError as e:
+            raise LaunchError(str(e)) from None
+        return device
     return torch.device("cpu")
 
 

@@ -268,6 +268,7 @@ def evaluate(
 ) -> dict:
     import torch
 
+    from fedtune.accelerators import check_device
     from fedtune.models import load_causal_lm, load_tokenizer
 
     started = time.perf_counter()
@@ -282,6 +283,7 @@ def evaluate(
             f"--template: {template!r} is not a format string with only {{text}}: {e}"
         ) from None
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    check_device(device)  # a GPU this torch build cannot drive stops here, not at the first kernel
     identity = {
         "model": label or Path(model_dir).name,
         "model_dir": str(model_dir),
@@ -415,6 +417,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="result JSON")
     args = parser.parse_args(argv)
 
+    from fedtune.accelerators import UnsupportedDeviceError
     from fedtune.atomic import write_json
     from fedtune.models import ModelError
 
@@ -435,7 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             label_field=args.label_field,
             **options,
         )
-    except (EvaluateError, ModelError) as e:
+    except (EvaluateError, ModelError, UnsupportedDeviceError) as e:
         print(f"evaluate: error: {e}", file=sys.stderr)
         return 2
     write_json(args.out, result)
