@@ -25,7 +25,11 @@ rule train_sweep:
     wildcard_constraints:
         site=one_of([SWEEP_SITE] if SWEEP_HERE else []),
         label=one_of([re.escape(label) for label in SWEEP_POINTS]),
-    retries: max((options["retries"] for options in SWEEP_POINTS.values()), default=0)
+    # As train: retried in a new Slurm job, never inside the job (workflow.remote_exec).
+    retries:
+        0
+        if workflow.remote_exec
+        else max((o["retries"] for o in SWEEP_POINTS.values()), default=0)
     # As the train rule: conda but no container (scripts/launch's srun must run outside the image).
     conda:
         CONDA_ENV
