@@ -1,4 +1,13 @@
-# download: the only stage with network access; it runs on the login node (localrule).
+# download: the only stage with network access. It runs on the login node (a local rule), unless the
+# cluster's profile gives the rule a partition (set-resources: download_data: slurm_partition: ...):
+# then it is a Slurm job there. Leonardo's login nodes stop a process after 10 minutes of CPU time, and
+# its serial partition lrd_all_serial reaches the internet (profiles/leonardo).
+
+
+def download_as_job(rule_name):
+    return "slurm_partition" in workflow.resource_settings.overwrite_resources.get(
+        rule_name, {}
+    )
 
 
 rule download_data:
@@ -6,7 +15,7 @@ rule download_data:
         directory(run_path("data", "{site}", "raw")),
     log:
         log_path("download_data", "{site}"),
-    localrule: True
+    localrule: not download_as_job("download_data")
     conda:
         CONDA_ENV
     container:
@@ -34,7 +43,7 @@ rule download_model:
         directory(base_model_dir()),
     log:
         log_path("download_model", "base"),
-    localrule: True
+    localrule: not download_as_job("download_model")
     conda:
         CONDA_ENV
     container:
