@@ -13,7 +13,7 @@ from __future__ import annotations
 BUILD_HINTS = {
     (7, 0): (
         "install a CUDA 12.6 build, e.g. `pip install torch==<version> --index-url "
-        "https://download.pytorch.org/whl/cu126` (envs/README: Iris)"
+        "https://download.pytorch.org/whl/cu126` (envs/README.md: the torch build per cluster)"
     ),
 }
 DEFAULT_HINT = (
