@@ -154,6 +154,34 @@ def test_two_node_training_matches_the_same_training_run_locally(demo_run, tmp_p
     assert on_slurm and on_slurm == pytest.approx(here, abs=1e-5), (on_slurm, here)
 
 
+def test_deepspeed_zero3_trains_across_two_nodes(demo_run, tmp_path):
+    """DeepSpeed ZeRO-3 on n1 and n2 (srun launcher, one process per node) through the executor, from the
+    demo run's data: the two emulated nodes share this host, and DeepSpeed must not take its single-host
+    shared-memory path. Same data, seed and world size as the demo's FSDP run, so the same losses."""
+    source, config, _ = demo_run
+    for part in ("data", "model"):
+        shutil.copytree(source / "results/demo" / part, tmp_path / "results/demo" / part)
+    config = copy.deepcopy(config)
+    config["sites"]["alpha"]["train"].update(backend="deepspeed", zero_stage=3, mem_mb=3000)
+    write_config(tmp_path, config)
+    snakemake(
+        tmp_path, "results/demo/round-1/alpha/model", "--allowed-rules", "train", profile="slurm-local",
+        timeout=600,
+    )  # fmt: skip
+    log = (tmp_path / "results/demo/logs/train/round-1/alpha.log").read_text()
+    ranks = sorted(line.split(" (")[0] for line in log.splitlines() if line.startswith("rank "))
+    assert ranks == ["rank 0/2 on host n1", "rank 1/2 on host n2"], log[-3000:]
+    summary = json.loads((tmp_path / "results/demo/round-1/alpha/model/training.json").read_text())
+    assert (summary["backend"], summary["sharding"], summary["nodes"]) == ("deepspeed", "zero3", 2), summary
+
+    def losses(root):
+        with open(root / "results/demo/round-1/alpha/model/loss.csv") as stream:
+            return {int(row["step"]): float(row["loss"]) for row in csv.DictReader(stream)}
+
+    fsdp, zero3 = losses(source), losses(tmp_path)
+    assert zero3 and zero3 == pytest.approx(fsdp, abs=1e-5), (zero3, fsdp)
+
+
 # The time-limit test: long enough that the signal lands mid-training on a fast machine, short enough
 # for the suite (each site trains ~200 steps of ~0.2-0.4 s here).
 LIMIT_STEPS = 200
@@ -230,12 +258,17 @@ def test_time_limit_checkpoints_exits_75_and_resumes_in_a_new_job(demo_run, slur
         FEDTUNE_SIGNAL_POLL="5",
     )  # fmt: skip
     local = _popen_snakemake(runs["reference"], *targets, "--allowed-rules", "train", profile="local")
-    first_jobs, deadline = {}, time.monotonic() + 600
+    first_jobs, first_logs, deadline = {}, {}, time.monotonic() + 600
     try:
         while limited.poll() is None and time.monotonic() < deadline:
             for site in set(sites) - set(first_jobs):
                 if job_id := _bring_time_limit_near(slurm_cluster, workdir, site):
                     first_jobs[site] = job_id
+            # Snakemake removes a job's log before the retry runs: keep the first job's once it ended.
+            queued = slurm_cluster.run("squeue", "-h", "-o", "%i").stdout.split()
+            for site, job_id in first_jobs.items():
+                if site not in first_logs and job_id not in queued:
+                    first_logs[site] = (workdir / f"results/demo/logs/train/round-1/{site}.log").read_text()
             time.sleep(1)
         limited.wait(timeout=max(1, deadline - time.monotonic()))
         assert limited.returncode == 0, (workdir / "snakemake.out").read_text()[-5000:]
@@ -252,23 +285,32 @@ def test_time_limit_checkpoints_exits_75_and_resumes_in_a_new_job(demo_run, slur
         assert [job["State"] for job in train] == ["FAILED", "COMPLETED"], train
         first, second = (job["JobID"] for job in train)
         assert first == first_jobs[site]
-        log = (workdir / f"results/demo/logs/train/round-1/{site}.log").read_text()
+        first_log, log = (
+            first_logs[site],
+            (workdir / f"results/demo/logs/train/round-1/{site}.log").read_text(),
+        )
         # One launch per job: the job's own Snakemake did not start training again in its allocation.
-        assert re.findall(r"launch: job (\d+);", log) == [first, second], log[-3000:]
-        # Once per rank: the repeated signal (every 15 s until the step ends) is not reported again.
+        assert re.findall(r"launch: job (\d+);", first_log) == [first], first_log[-3000:]
+        assert re.findall(r"launch: job (\d+);", log) == [second], log[-3000:]
+        # Signalled once per rank (a repeat every 15 s until the step ends is not reported again), the
+        # checkpoint written, and the second job resumed from it.
         ranks = sites[site]["nodes"] * sites[site]["processes_per_node"]
-        assert log.count("received SIGUSR1: checkpoint after this step, then exit") == ranks, log[-3000:]
-        (saved,) = re.findall(r"checkpoint (\S+/step-(\d+))", log)
+        assert first_log.count("received SIGUSR1: checkpoint after this step, then exit") == ranks, first_log
+        (saved,) = re.findall(r"checkpoint (\S+/step-(\d+))", first_log)
         assert f"resumed from {saved[0]} at step {int(saved[1])}" in log, log[-3000:]
         assert 10 <= int(saved[1]) < LIMIT_STEPS, saved
-        first_log = (workdir / f".snakemake/slurm_logs/rule_train/1_{site}/{first}.log").read_text()
-        assert "returned non-zero exit status 75" in first_log, first_log[-3000:]
-        assert "Trying to restart" not in first_log, first_log[-3000:]
+        assert "received SIGUSR1" not in log, log[-3000:]
+        # The job's own log (its Snakemake's output): the rule ended with 75, and was not restarted.
+        job_log = (workdir / f".snakemake/slurm_logs/rule_train/1_{site}/{first}.log").read_text()
+        assert "returned non-zero exit status 75" in job_log, job_log[-3000:]
+        assert "Trying to restart" not in job_log, job_log[-3000:]
         summary = json.loads((workdir / f"results/demo/round-1/{site}/model/training.json").read_text())
         assert summary["steps"] == LIMIT_STEPS
+        # Bit for bit: the same world size, data order and seed, and an exact resume.
         assert_same_training(
             workdir / f"results/demo/round-1/{site}/model",
             runs["reference"] / f"results/demo/round-1/{site}/model",
+            tolerance=0,
         )
     # On the mpi path the training step itself (scripts/launch's srun) ended with 75.
     steps = slurm_cluster.run("sacct", "-n", "-P", "-j", first_jobs["alpha"], "-o", "JobID,ExitCode").stdout
