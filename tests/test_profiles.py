@@ -96,7 +96,8 @@ def planned_jobs(output: str) -> list[PlannedJob]:
     """The jobs of a dry run: rule name, resolved resources, threads and wildcards."""
     jobs, rule, threads, wildcards = [], None, 1, {}
     for line in output.splitlines():
-        if match := re.match(r"^(?:local)?rule (\w+):$", line):
+        # Members of a group job (Karolina's tokenize) are listed indented under "Group job ...".
+        if match := re.match(r"^\s*(?:local)?rule (\w+):$", line):
             rule, threads, wildcards = match.group(1), 1, {}
         elif rule and (match := re.match(r"^\s+threads: (\d+)$", line)):
             threads = int(match.group(1))
@@ -358,7 +359,7 @@ def test_karolina_runs_tokenize_jobs_eight_to_a_node(account, tmp_path):
                 sizes.append(current)
             elif current is not None and re.match(r"^\s+rule tokenize:$", line):
                 sizes[-1] += 1
-            elif line and not line[0].isspace() and "Group job" not in line and not line.startswith("["):
+            elif re.match(r"^(?:local)?rule \w+:$|^Job stats", line):  # a job outside any group
                 current = None
         groups[profile] = sizes
     assert groups["karolina"] == [8] * 16, groups["karolina"]
