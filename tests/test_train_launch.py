@@ -68,8 +68,8 @@ def test_srun_task_per_process_without_torchrun(tiny_model_dir, site_manifest, r
 
 def test_hand_set_variables_without_any_launcher(tiny_model_dir, site_manifest, reference_run, tmp_path):
     """Two plain `python -m fedtune.train` processes that find each other through the environment, with
-    DeepSpeed ZeRO-0 (plain data parallel), which must match FSDP too. (DeepSpeed is not run as two
-    emulated nodes on one host: its CPU shared-memory allreduce then waits forever at start.)"""
+    DeepSpeed ZeRO-0 (plain data parallel), which must match FSDP too. (DeepSpeed ZeRO-3 across two
+    emulated nodes: tests/test_slurm_local.py.)"""
     args = train_args(tiny_model_dir, site_manifest, tmp_path, {"backend": "deepspeed", "zero_stage": 0})
     port = str(free_port())
     procs = []
