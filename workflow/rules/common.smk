@@ -25,7 +25,7 @@ except ConfigError as error:
 # Software per rule, for --software-deployment-method conda or apptainer (a plain venv is the default).
 CONDA_ENV = "../../envs/fedtune.yaml"
 CONTAINER = os.environ.get("FEDTUNE_CONTAINER", "fedtune.sif")
-DEPLOYMENT = {str(method) for method in workflow.deployment_settings.deployment_method}
+DEPLOYMENT = set(map(str, workflow.deployment_settings.deployment_method))
 
 RUN_DIR = Path(config["results"]) / config["run"]
 TASK = config["task"]
@@ -171,7 +171,7 @@ def train_launch_args(site, options=None):
         f" --nodes {options['nodes']} --procs-per-node {options['processes_per_node']}"
         f" --cpus-per-task {train_cpus_per_task(site, options)}"
         # Under --software-deployment-method apptainer the launcher runs each training process in the
-        # image (the rule itself cannot: the image has no Slurm).
+        # image (not the whole train job, since the image has no Slurm).
         + (
             f" --container {shlex.quote(CONTAINER)}"
             if "apptainer" in DEPLOYMENT

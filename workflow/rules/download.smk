@@ -4,10 +4,12 @@
 # its serial partition lrd_all_serial reaches the internet (profiles/leonardo).
 
 
-def download_as_job(rule_name):
-    return "slurm_partition" in workflow.resource_settings.overwrite_resources.get(
-        rule_name, {}
-    )
+# The download rules given a partition by the profile.
+DOWNLOAD_JOBS = {
+    name
+    for name, resources in workflow.resource_settings.overwrite_resources.items()
+    if name.startswith("download_") and "slurm_partition" in resources
+}
 
 
 rule download_data:
@@ -15,7 +17,7 @@ rule download_data:
         directory(run_path("data", "{site}", "raw")),
     log:
         log_path("download_data", "{site}"),
-    localrule: not download_as_job("download_data")
+    localrule: "download_data" not in DOWNLOAD_JOBS
     conda:
         CONDA_ENV
     container:
@@ -43,7 +45,7 @@ rule download_model:
         directory(base_model_dir()),
     log:
         log_path("download_model", "base"),
-    localrule: not download_as_job("download_model")
+    localrule: "download_model" not in DOWNLOAD_JOBS
     conda:
         CONDA_ENV
     container:
