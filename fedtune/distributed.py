@@ -11,6 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from fedtune.accelerators import UnsupportedDeviceError, check_device
 from fedtune.config import UserError
 
 
@@ -64,7 +65,12 @@ def pick_device(choice: str, local_rank: int) -> torch.device:
         if not torch.cuda.is_available():
             raise LaunchError("device: cuda was asked for, but PyTorch sees no CUDA device")
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        return torch.device("cuda", torch.cuda.current_device())
+        device = torch.device("cuda", torch.cuda.current_device())
+        try:
+            check_device(device)
+        except UnsupportedDeviceError as e:
+            raise LaunchError(str(e)) from None
+        return device
     return torch.device("cpu")
 
 

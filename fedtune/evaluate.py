@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fedtune import offline, tracking
+from fedtune.accelerators import check_device
 from fedtune.atomic import write_json
 from fedtune.config import (
     CAUSAL_LM,
@@ -299,6 +300,7 @@ def evaluate(
         raise EvaluateError(f"--batch-size: {batch_size} must be at least 1")
     check_template(template, "--template")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    check_device(device)  # a GPU this torch build cannot drive stops here, not at the first kernel
     identity = {
         "model": label or Path(model_dir).name,
         "model_dir": str(model_dir),

@@ -44,3 +44,16 @@ def test_apptainer_definition_installs_pyprojects_pins_on_an_nvidia_pytorch_imag
     assert 'pip" install --quiet /opt/fedtune/src' in definition
     assert not re.findall(r"[A-Za-z0-9_-]+==\d", definition)
     assert "uv venv --python 3.11" in definition and "uv python install 3.11" in definition
+
+
+def test_apptainer_definition_takes_the_torch_build_as_a_build_argument():
+    """Iris's V100s need a CUDA 12.6 torch build (the default wheel has no sm_70): the image takes the
+    index as a build argument, used only for torch, and envs/README.md names each cluster's build."""
+    definition = (ROOT / "envs" / "fedtune.def").read_text()
+    assert re.search(r"^%arguments\n(\s+#.*\n)*\s+TORCH_INDEX_URL=$", definition, re.M), definition
+    assert 'torch_index="{{ TORCH_INDEX_URL }}"' in definition
+    assert '${torch_index:+--index-url "$torch_index"} "$torch_pin"' in definition
+    readme = (ROOT / "envs" / "README.md").read_text()
+    for cluster in ("Leonardo", "Karolina", "MeluXina", "Iris"):
+        assert re.search(rf"^\| {cluster} \|", readme, re.M), cluster
+    assert "whl/cu126" in readme and "sm_70" in readme

@@ -1,6 +1,6 @@
 """The cluster profiles: each dry-runs the demo (and every example config that names its cluster), and the
-sbatch options the slurm executor would submit for each job carry the cluster's partition, GPUs, nodes
-and time-limit signal. The options come from the executor plugin's own builder (get_submit_command), fed
+sbatch options the slurm executor would submit for each job carry the cluster's partition, GPUs and
+nodes. The options come from the executor plugin's own builder (get_submit_command), fed
 with the resources Snakemake resolved in the dry run, so profile, rules and plugin are tested together.
 """
 
@@ -32,9 +32,13 @@ CLUSTERS = {
 ACCOUNT_VARIABLES = ["FEDTUNE_ACCOUNT"] + [f"FEDTUNE_{name.upper()}_ACCOUNT" for name in CLUSTERS]
 
 
-def local_rules() -> set[str]:
-    """Rules marked `localrule: True` in the rule files, and `all`: they never reach sbatch (the
-    slurm-local demo test checks that against sacct), though a dry run lists them like the others."""
+DOWNLOAD_RULES = ("download_data", "download_model")
+
+
+def local_rules(profile: str | None = None) -> set[str]:
+    """Rules that never reach sbatch (the slurm-local demo test checks that against sacct), though a dry
+    run lists them like the others: `all`, those marked `localrule: True`, and the download rules unless
+    the profile gives them a partition (workflow/rules/download.smk; test_download_rules_are_jobs_...)."""
     names, rule = {"all"}, None
     for path in (ROOT / "workflow" / "rules").glob("*.smk"):
         for line in path.read_text().splitlines():
@@ -42,6 +46,8 @@ def local_rules() -> set[str]:
                 rule = match.group(1)
             elif rule and re.match(r"^\s+localrule: True", line):
                 names.add(rule)
+    overrides = profile_settings(profile).get("set-resources", {}) if profile else {}
+    names |= {rule for rule in DOWNLOAD_RULES if "slurm_partition" not in overrides.get(rule, {})}
     return names
 
 
@@ -112,13 +118,13 @@ def test_profile_dry_runs_the_demo_with_the_clusters_sbatch_options(cluster, acc
     }
     cluster_demo(tmp_path, cluster, train)
     result = snakemake(tmp_path, "-n", "--forceall", "results/demo/round-1/alpha/model", profile=cluster)
-    jobs = [job for job in planned_jobs(result.stdout) if job.name not in local_rules()]
+    jobs = [job for job in planned_jobs(result.stdout) if job.name not in local_rules(cluster)]
     assert {"tokenize", "train"} <= {job.name for job in jobs}, result.stdout[-3000:]
     for job in jobs:
         options = sbatch_options(job)
         assert f"-A {account}" in options, options
         assert re.search(r" -t \d+", options) and "--mem " in options, options
-        if job.name == "tokenize":
+        if job.name == "tokenize" or job.name in DOWNLOAD_RULES:
             assert f"-p {cpu_partition}" in options and "gpu" not in options, options
         else:
             assert f"-p {gpu_partition}" in options and all(extra in options for extra in gpu_extra), options
@@ -130,12 +136,14 @@ def test_profile_dry_runs_the_demo_with_the_clusters_sbatch_options(cluster, acc
                 f"--ntasks={tasks}",
                 f"--gres=gpu:{gpus}",
                 f"--cpus-per-task={cpus}",
-                "--signal=USR1@300",
                 "--mem 200000",
                 "-t 720",
             ]:
                 assert expected in options, (expected, options)
             assert ("--ntasks-per-gpu=1" in options) == (launcher == "srun"), options
+            # No Slurm --signal: on a one-task job it would kill the job's inner Snakemake; the launcher
+            # signals the training processes itself (test_time_limit_... in test_slurm_local.py).
+            assert "--signal" not in options, options
         if job.name.startswith("evaluate"):
             assert "--gres=gpu:1" in options, options
 
@@ -147,13 +155,15 @@ def test_slurm_local_profile_trains_one_site_on_both_nodes(tmp_path):
         tmp_path, "-n", "--forceall", "results/demo/round-1/alpha/model", profile="slurm-local"
     )
     jobs = {
-        job.name: sbatch_options(job) for job in planned_jobs(result.stdout) if job.name not in local_rules()
+        job.name: sbatch_options(job)
+        for job in planned_jobs(result.stdout)
+        if job.name not in local_rules("slurm-local")
     }
     assert "-A fedtune" in jobs["tokenize"] and "-p debug" in jobs["tokenize"], jobs
     assert "--cpus-per-task=1" in jobs["tokenize"], jobs
-    for expected in ["-p debug", "--nodes=2", "--ntasks=2", "--cpus-per-task=1", "--signal=USR1@60", "-t 20"]:
+    for expected in ["-p debug", "--nodes=2", "--ntasks=2", "--cpus-per-task=1", "-t 20"]:
         assert expected in jobs["train"], (expected, jobs["train"])
-    assert "gres" not in jobs["train"] and "gpu" not in jobs["train"], jobs["train"]
+    assert "gres" not in jobs["train"] and "gpu" not in jobs["train"] and "--signal" not in jobs["train"]
 
 
 def test_unset_account_variable_fails_with_a_clear_message(monkeypatch, demo_workdir):
@@ -165,7 +175,7 @@ def test_unset_account_variable_fails_with_a_clear_message(monkeypatch, demo_wor
     assert "no Slurm account for leonardo: set FEDTUNE_ACCOUNT (or FEDTUNE_LEONARDO_ACCOUNT)" in message, (
         message
     )
-    for cluster in CLUSTERS:  # the same check in every profile, read as Snakemake reads it
+    for cluster in set(CLUSTERS) - {"iris"}:  # the same check in every profile, as Snakemake reads it
         with pytest.raises(Exception, match=f"no Slurm account for {cluster}: set FEDTUNE_ACCOUNT"):
             profile_settings(cluster)
 
@@ -202,7 +212,7 @@ def test_profile_dry_runs_every_example_config_for_its_cluster(cluster, account,
         targets = [f"{run_dir}/round-1/{site}/model" for site in here]
         result = snakemake(workdir, "-n", *targets, profile=cluster, check=False, timeout=300)
         assert result.returncode == 0, f"{example.name} with profile {cluster}:\n{result.stderr[-3000:]}"
-        jobs = [job for job in planned_jobs(result.stdout) if job.name not in local_rules()]
+        jobs = [job for job in planned_jobs(result.stdout) if job.name not in local_rules(cluster)]
         trained = set()
         for job in jobs:
             options = sbatch_options(job)  # raises on options the plugin refuses
@@ -212,7 +222,7 @@ def test_profile_dry_runs_every_example_config_for_its_cluster(cluster, account,
             trained.add(site)
             train = {**config.get("train", {}), **config["sites"][site].get("train", {})}
             gpus = train.get("gpus_per_node", 0)
-            assert f"-p {gpu_partition}" in options and "--signal=USR1@300" in options, options
+            assert f"-p {gpu_partition}" in options and "--signal" not in options, options
             assert f"--nodes={train.get('nodes', 1)}" in options, options
             assert (f"--gres=gpu:{gpus}" in options) if gpus else ("gres" not in options), options
             assert all(extra in options for extra in gpu_extra), options
@@ -244,3 +254,139 @@ def test_cluster_environment_file_sources_cleanly(cluster, tmp_path):
     if cluster != "slurm-local":
         assert variables["HF_HOME"].startswith(variables["FEDTUNE_SCRATCH"]), variables
         assert "NCCL_DEBUG" in variables and "TORCH_EXTENSIONS_DIR" in variables, variables
+
+
+def workflow_local_rules(workdir: Path, profile: str) -> set[str]:
+    """The rules the workflow itself marks local when started with this profile's set-resources (the
+    dry run's listing does not say), read from Snakemake's own workflow object."""
+    from snakemake.api import SnakemakeApi
+    from snakemake.settings.types import ConfigSettings, OutputSettings, ResourceSettings, StorageSettings
+
+    overrides = profile_settings(profile).get("set-resources", {})
+    with SnakemakeApi(OutputSettings(quiet=True)) as api:
+        workflow = api.workflow(
+            resource_settings=ResourceSettings(overwrite_resources=overrides),
+            config_settings=ConfigSettings(configfiles=[workdir / "config.yaml"]),
+            storage_settings=StorageSettings(),
+            snakefile=ROOT / "Snakefile",
+            workdir=workdir,
+        )
+        workflow.dag()
+        return set(workflow._workflow._localrules)
+
+
+def test_download_rules_are_jobs_only_where_the_profile_gives_them_a_partition(account, demo_workdir):
+    """Leonardo's login nodes kill a process after 10 minutes of CPU time: there the downloads are jobs on
+    lrd_all_serial (which reaches the internet); elsewhere they stay on the login node."""
+    for profile in [*CLUSTERS, "slurm-local"]:
+        local = workflow_local_rules(demo_workdir, profile)
+        assert {"tokenize_manifest", "report"} <= local, (profile, local)
+        assert (set(DOWNLOAD_RULES) <= local) == (profile != "leonardo"), (profile, local)
+        assert (set(DOWNLOAD_RULES) & local) == (set(DOWNLOAD_RULES) & local_rules(profile)), profile
+    download = profile_settings("leonardo")["set-resources"]["download_model"]
+    assert download["slurm_partition"] == "lrd_all_serial" and download["cpus_per_task"] <= 4, download
+
+
+def test_iris_needs_no_account(monkeypatch, tmp_path):
+    """Every ULHPC user has a default account: without FEDTUNE_ACCOUNT the Iris jobs go without -A."""
+    for variable in ACCOUNT_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    assert "slurm_account" not in profile_settings("iris")["default-resources"]
+    cluster_demo(tmp_path, "iris", {"gpus_per_node": 4, "processes_per_node": 4, "launcher": "srun"})
+    result = snakemake(tmp_path, "-n", "--forceall", "results/demo/round-1/alpha/model", profile="iris")
+    jobs = [job for job in planned_jobs(result.stdout) if job.name not in local_rules("iris")]
+    assert jobs and all("slurm_account" not in job.resources for job in jobs), result.stdout[-2000:]
+    train = next(sbatch_options(job) for job in jobs if job.name == "train")
+    assert " -A " not in train and "-C volta32" in train and "-p gpu" in train, train
+    monkeypatch.setenv("FEDTUNE_IRIS_ACCOUNT", "p-lux")
+    assert profile_settings("iris")["default-resources"]["slurm_account"] == "p-lux"
+
+
+def test_karolina_runs_tokenize_jobs_eight_to_a_node(account, tmp_path):
+    """qcpu charges whole 128-core nodes: the llama2-it-cs example's 2 x 64 tokenize jobs of Karolina's
+    site run as 16 group jobs of 8 (16 cores each); other profiles keep one job per shard."""
+    example = ROOT / "config" / "examples" / "llama2-it-cs.yaml"
+    (tmp_path / "config.yaml").write_text(example.read_text())
+    groups = {}
+    for profile in ("karolina", "leonardo"):
+        output = snakemake(tmp_path, "-n", profile=profile, timeout=300).stdout
+        sizes, current = [], None
+        for line in output.splitlines():
+            if "Group job tokenize" in line:
+                current = 0
+                sizes.append(current)
+            elif current is not None and re.match(r"^\s+rule tokenize:$", line):
+                sizes[-1] += 1
+            elif re.match(r"^(?:local)?rule \w+:$|^Job stats", line):  # a job outside any group
+                current = None
+        groups[profile] = sizes
+    assert groups["karolina"] == [8] * 16, groups["karolina"]
+    assert groups["leonardo"] == [], groups["leonardo"]
+    settings = profile_settings("karolina")
+    assert settings["groups"] == {"tokenize": "tokenize"} and settings["group-components"] == {"tokenize": 8}
+    assert settings["set-resources"]["tokenize"]["cpus_per_task"] * 8 == 128
+
+
+def test_apptainer_deployment_trains_inside_the_image(monkeypatch, tmp_path):
+    """With --software-deployment-method apptainer every rule but train runs in the image; train's
+    launcher is told to run each training process in it (scripts/launch --container)."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "apptainer").write_text('#!/bin/sh\necho "apptainer version 1.3.4"\n')
+    (fake / "apptainer").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
+    monkeypatch.setenv("FEDTUNE_CONTAINER", "/images/fedtune.sif")
+    cluster_demo(tmp_path, "local", {})
+    for method in ("apptainer", None):
+        extra = ["--software-deployment-method", method] if method else []
+        result = snakemake(tmp_path, "-n", "-p", "--forceall", "results/demo/round-1/alpha/model", *extra)
+        (launch,) = [line for line in result.stdout.splitlines() if "scripts/launch" in line]
+        in_image = "--container /images/fedtune.sif -- python -m fedtune.train" in launch
+        assert in_image == (method == "apptainer"), launch
+
+
+def source_cluster_file(cluster: str, home: Path, **variables: str) -> subprocess.CompletedProcess:
+    script = ROOT / "scripts" / "clusters" / f"{cluster}.sh"
+    env = {"PATH": os.environ["PATH"], "HOME": str(home), **variables}
+    return subprocess.run(
+        ["bash", "-euc", f"source {shlex.quote(str(script))}; echo $FEDTUNE_SCRATCH"],
+        env=env, capture_output=True, text=True,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "cluster, template",
+    [("karolina", "/scratch/project/{}/fedtune"), ("meluxina", "/project/scratch/{}/fedtune")],
+)
+def test_project_scratch_uses_the_profiles_account(cluster, template, tmp_path):
+    """The scratch path takes the account the profile used (FEDTUNE_<CLUSTER>_ACCOUNT first), then Slurm's
+    (which the mpi job path clears); with none, sourcing stops with a message instead of using
+    /scratch/project//fedtune. Karolina's project folders are lower case."""
+    specific = f"FEDTUNE_{cluster.upper()}_ACCOUNT"
+    expect = {
+        (("FEDTUNE_ACCOUNT", "P200001"), (specific, "OPEN-29-12")): "OPEN-29-12",
+        (("FEDTUNE_ACCOUNT", "p200001"), ("SLURM_JOB_ACCOUNT", "other")): "p200001",
+        (("SLURM_JOB_ACCOUNT", "p200002"),): "p200002",
+    }
+    for variables, account in expect.items():
+        result = source_cluster_file(cluster, tmp_path, **dict(variables))
+        assert result.returncode == 0, result.stderr
+        wanted = template.format(account.lower() if cluster == "karolina" else account)
+        assert result.stdout.strip() == wanted, (variables, result.stdout)
+    result = source_cluster_file(cluster, tmp_path)
+    assert result.returncode != 0 and result.stdout.strip() == "", result.stdout
+    assert f"export FEDTUNE_ACCOUNT (or {specific})" in result.stderr, result.stderr
+    own = source_cluster_file(cluster, tmp_path, FEDTUNE_SCRATCH="/fast/me")
+    assert own.returncode == 0 and own.stdout.strip() == "/fast/me", own.stderr
+
+
+@pytest.mark.parametrize("cluster", [*CLUSTERS, "slurm-local"])
+def test_cluster_file_sets_the_time_limit_lead_and_container_gpu(cluster, tmp_path):
+    script = ROOT / "scripts" / "clusters" / f"{cluster}.sh"
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "FEDTUNE_ACCOUNT": "p200001"}
+    result = subprocess.run(
+        ["bash", "-euc", f"source {shlex.quote(str(script))}; echo $FEDTUNE_SIGNAL_BEFORE $FEDTUNE_CONTAINER_GPU"],
+        env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == (["60", "none"] if cluster == "slurm-local" else ["300", "nv"])

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import copy
 import csv
+import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -13,6 +15,7 @@ import time
 import pytest
 
 from .slurm_harness import VENV_BIN, running_cluster, slurm_local
+from .test_train_backends import assert_same_training
 from .workflow_harness import ROOT, demo_config, snakemake, write_config
 
 pytestmark = pytest.mark.slurm
@@ -57,28 +60,6 @@ def test_srun_in_a_two_node_allocation_puts_a_task_on_each_node(slurm_cluster, t
     # The first node's name resolves here (the launcher takes MASTER_ADDR from it).
     assert {first for _, _, first in tasks} == {"n1"}
     assert slurm_cluster.run("getent", "hosts", "n1", "n2").stdout.count("127.0.0.1") == 2
-
-
-STEP_TASK = """#!/bin/bash
-trap 'echo "USR1 in task $SLURM_PROCID on $SLURMD_NODENAME"; exit 0' USR1
-sleep 300 & wait
-"""
-
-
-def test_the_profiles_time_limit_signal_reaches_every_training_process(slurm_cluster, tmp_path):
-    """The cluster profiles' slurm_extra `--signal=USR1@300` (no `B:`) signals the processes of the job's
-    srun steps, on every node: the training processes that scripts/launch starts, which checkpoint. With
-    `B:` only the batch shell (Snakemake's job step) would get it. Here: 90 s before a 2-minute limit."""
-    (tmp_path / "task.sh").write_text(STEP_TASK)
-    (tmp_path / "task.sh").chmod(0o755)
-    script = "srun --ntasks 2 --ntasks-per-node 1 ./task.sh"
-    (row,) = slurm_cluster.submit(
-        "-N", "2", "-n", "2", "--time", "2", "--signal=USR1@90", "--output", "out", "--wrap", script,
-        cwd=tmp_path, timeout=180,
-    )  # fmt: skip
-    assert row["State"] == "COMPLETED", row
-    received = sorted((tmp_path / "out").read_text().splitlines())
-    assert received == ["USR1 in task 0 on n1", "USR1 in task 1 on n2"], received
 
 
 FAILING_SNAKEFILE = """
@@ -171,6 +152,169 @@ def test_two_node_training_matches_the_same_training_run_locally(demo_run, tmp_p
 
     on_slurm, here = losses(workdir), losses(tmp_path)
     assert on_slurm and on_slurm == pytest.approx(here, abs=1e-5), (on_slurm, here)
+
+
+def test_deepspeed_zero3_trains_across_two_nodes(demo_run, tmp_path):
+    """DeepSpeed ZeRO-3 on n1 and n2 (srun launcher, one process per node) through the executor, from the
+    demo run's data: the two emulated nodes share this host, and DeepSpeed must not take its single-host
+    shared-memory path. Same data, seed and world size as the demo's FSDP run, so the same losses."""
+    source, config, _ = demo_run
+    for part in ("data", "model"):
+        shutil.copytree(source / "results/demo" / part, tmp_path / "results/demo" / part)
+    config = copy.deepcopy(config)
+    config["sites"]["alpha"]["train"].update(backend="deepspeed", zero_stage=3, mem_mb=3000)
+    write_config(tmp_path, config)
+    snakemake(
+        tmp_path, "results/demo/round-1/alpha/model", "--allowed-rules", "train", profile="slurm-local",
+        timeout=600,
+    )  # fmt: skip
+    log = (tmp_path / "results/demo/logs/train/round-1/alpha.log").read_text()
+    ranks = sorted(line.split(" (")[0] for line in log.splitlines() if line.startswith("rank "))
+    assert ranks == ["rank 0/2 on host n1", "rank 1/2 on host n2"], log[-3000:]
+    summary = json.loads((tmp_path / "results/demo/round-1/alpha/model/training.json").read_text())
+    assert (summary["backend"], summary["sharding"], summary["nodes"]) == ("deepspeed", "zero3", 2), summary
+
+    def losses(root):
+        with open(root / "results/demo/round-1/alpha/model/loss.csv") as stream:
+            return {int(row["step"]): float(row["loss"]) for row in csv.DictReader(stream)}
+
+    fsdp, zero3 = losses(source), losses(tmp_path)
+    assert zero3 and zero3 == pytest.approx(fsdp, abs=1e-5), (zero3, fsdp)
+
+
+# The time-limit test: long enough that the signal lands mid-training on a fast machine, short enough
+# for the suite (each site trains ~200 steps of ~0.2-0.4 s here).
+LIMIT_STEPS = 200
+
+
+def _popen_snakemake(workdir, *args, profile, **extra_env):
+    """Snakemake in the background, its output in workdir/snakemake.out (a pipe nobody reads would
+    fill up and stop it)."""
+    env = dict(os.environ, PATH=f"{VENV_BIN}:{os.environ['PATH']}", **extra_env)
+    command = [
+        f"{VENV_BIN}/snakemake", "--snakefile", str(ROOT / "Snakefile"), "--directory", str(workdir),
+        "--configfile", str(workdir / "config.yaml"), "--profile", str(ROOT / "profiles" / profile), *args,
+    ]  # fmt: skip
+    with open(workdir / "snakemake.out", "w") as out:
+        return subprocess.Popen(command, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _seconds(run_time: str) -> int:
+    """Slurm's [D-]HH:MM:SS as seconds."""
+    days, _, clock = run_time.rpartition("-")
+    h, m, s = (int(part) for part in clock.split(":"))
+    return int(days or 0) * 86400 + h * 3600 + m * 60 + s
+
+
+def _bring_time_limit_near(slurm_cluster, workdir, site, lead_s: int = 60) -> str | None:
+    """Once site's first train job has logged training steps, cut its time limit to lead_s + 5 s from
+    now (as if it had run that long), so the launcher's signal comes mid-training whatever the speed
+    of this machine. Returns the job id, or None while training has not reached step 10."""
+    log = workdir / f"results/demo/logs/train/round-1/{site}.log"
+    if not log.is_file() or "step 10/" not in log.read_text():
+        return None
+    comment = f"rule_train_wildcards_1_{site}"
+    queue = slurm_cluster.run("squeue", "-h", "-o", "%i|%k|%T").stdout.splitlines()
+    (job_id,) = [row.split("|")[0] for row in queue if row.split("|")[1] == comment and "RUNNING" in row]
+    run_time = re.search(r"RunTime=(\S+)", slurm_cluster.run("scontrol", "show", "job", job_id).stdout)
+    limit = _seconds(run_time.group(1)) + lead_s + 5
+    slurm_cluster.run("scontrol", "update", f"JobId={job_id}", f"TimeLimit={limit // 60}:{limit % 60:02d}")
+    return job_id
+
+
+def test_time_limit_checkpoints_exits_75_and_resumes_in_a_new_job(demo_run, slurm_cluster, tmp_path_factory):
+    """Both job paths through the executor: site alpha on the mpi path (2 nodes, srun launcher), site
+    beta on the one-task path (`srun -n1 ... snakemake`, launcher local, one process). When a first job's
+    time limit comes within a minute (scripts/clusters/slurm-local.sh: FEDTUNE_SIGNAL_BEFORE=60), the
+    launcher sends SIGUSR1; training checkpoints and exits 75; the job fails without restarting training
+    in its allocation; Snakemake's retry resumes from the checkpoint in a new job; and the model equals an
+    uninterrupted run's."""
+    source, config, _ = demo_run
+    config = copy.deepcopy(config)
+    config["train"].update(max_steps=LIMIT_STEPS, warmup_steps=1, checkpoint_every=0, log_every=10)
+    common = {"mem_mb": 2000, "runtime": 10}
+    sites = {
+        "alpha": {"nodes": 2, "processes_per_node": 1, "launcher": "srun", **common},
+        "beta": {"nodes": 1, "processes_per_node": 1, "launcher": "local", **common},
+    }
+    # The uninterrupted reference: the same world sizes on this machine (local profile), meanwhile.
+    reference = {
+        "alpha": {"nodes": 1, "processes_per_node": 2, "launcher": "local"},
+        "beta": {"nodes": 1, "processes_per_node": 1, "launcher": "local"},
+    }
+    runs = {}
+    for name, trains in (("limited", sites), ("reference", reference)):
+        workdir = tmp_path_factory.mktemp(f"time-limit-{name}")
+        for part in ("data", "model"):
+            shutil.copytree(source / "results/demo" / part, workdir / "results/demo" / part)
+        for site, train in trains.items():
+            config["sites"][site]["train"] = train
+        write_config(workdir, config)
+        runs[name] = workdir
+    targets = [f"results/demo/round-1/{site}/model" for site in sites]
+    workdir = runs["limited"]
+    limited = _popen_snakemake(
+        workdir, *targets, "--retries", "2", "--allowed-rules", "train", profile="slurm-local",
+        FEDTUNE_SIGNAL_POLL="5",
+    )  # fmt: skip
+    local = _popen_snakemake(runs["reference"], *targets, "--allowed-rules", "train", profile="local")
+    first_jobs, first_logs, deadline = {}, {}, time.monotonic() + 600
+    try:
+        while limited.poll() is None and time.monotonic() < deadline:
+            for site in set(sites) - set(first_jobs):
+                if job_id := _bring_time_limit_near(slurm_cluster, workdir, site):
+                    first_jobs[site] = job_id
+            # Snakemake removes a job's log before the retry runs: keep the first job's once it ended.
+            queued = slurm_cluster.run("squeue", "-h", "-o", "%i").stdout.split()
+            for site, job_id in first_jobs.items():
+                if site not in first_logs and job_id not in queued:
+                    first_logs[site] = (workdir / f"results/demo/logs/train/round-1/{site}.log").read_text()
+            time.sleep(1)
+        limited.wait(timeout=max(1, deadline - time.monotonic()))
+        assert limited.returncode == 0, (workdir / "snakemake.out").read_text()[-5000:]
+        assert local.wait(timeout=600) == 0, (runs["reference"] / "snakemake.out").read_text()[-5000:]
+    finally:
+        for proc in (limited, local):
+            if proc.poll() is None:
+                proc.kill()
+    assert set(first_jobs) == set(sites), first_jobs
+    jobs = slurm_cluster.jobs(workdir=workdir)
+    for site in sites:
+        train = [job for job in jobs if job["Comment"] == f"rule_train_wildcards_1_{site}"]
+        # Two jobs: the first (whose limit was cut) failed after the signal, a new one resumed.
+        assert [job["State"] for job in train] == ["FAILED", "COMPLETED"], train
+        first, second = (job["JobID"] for job in train)
+        assert first == first_jobs[site]
+        first_log, log = (
+            first_logs[site],
+            (workdir / f"results/demo/logs/train/round-1/{site}.log").read_text(),
+        )
+        # One launch per job: the job's own Snakemake did not start training again in its allocation.
+        assert re.findall(r"launch: job (\d+);", first_log) == [first], first_log[-3000:]
+        assert re.findall(r"launch: job (\d+);", log) == [second], log[-3000:]
+        # Signalled once per rank (a repeat every 15 s until the step ends is not reported again), the
+        # checkpoint written, and the second job resumed from it.
+        ranks = sites[site]["nodes"] * sites[site]["processes_per_node"]
+        assert first_log.count("received SIGUSR1: checkpoint after this step, then exit") == ranks, first_log
+        (saved,) = re.findall(r"checkpoint (\S+/step-(\d+))", first_log)
+        assert f"resumed from {saved[0]} at step {int(saved[1])}" in log, log[-3000:]
+        assert 10 <= int(saved[1]) < LIMIT_STEPS, saved
+        assert "received SIGUSR1" not in log, log[-3000:]
+        # The job's own log (its Snakemake's output): the rule ended with 75, and was not restarted.
+        job_log = (workdir / f".snakemake/slurm_logs/rule_train/1_{site}/{first}.log").read_text()
+        assert "returned non-zero exit status 75" in job_log, job_log[-3000:]
+        assert "Trying to restart" not in job_log, job_log[-3000:]
+        summary = json.loads((workdir / f"results/demo/round-1/{site}/model/training.json").read_text())
+        assert summary["steps"] == LIMIT_STEPS
+        # Bit for bit: the same world size, data order and seed, and an exact resume.
+        assert_same_training(
+            workdir / f"results/demo/round-1/{site}/model",
+            runs["reference"] / f"results/demo/round-1/{site}/model",
+            tolerance=0,
+        )
+    # On the mpi path the training step itself (scripts/launch's srun) ended with 75.
+    steps = slurm_cluster.run("sacct", "-n", "-P", "-j", first_jobs["alpha"], "-o", "JobID,ExitCode").stdout
+    assert f"{first_jobs['alpha']}.0|75:0" in steps.split(), steps
 
 
 def test_down_stops_only_what_up_started_and_up_restarts_it(slurm_cluster):

@@ -83,7 +83,8 @@ def planned_jobs(output: str) -> list[PlannedJob]:
     jobs: list[PlannedJob] = []
     job = None
     for line in output.splitlines():
-        if match := re.match(r"^(?:local)?rule (\w+):$", line):
+        # Members of a group job (Karolina's tokenize) are listed indented under "Group job ...".
+        if match := re.match(r"^\s*(?:local)?rule (\w+):$", line):
             job = PlannedJob(match.group(1))
             jobs.append(job)
         elif job is None:

@@ -6,7 +6,16 @@
 if [[ -n ${FEDTUNE_MODULES:-} ]] && type module >/dev/null 2>&1; then module load $FEDTUNE_MODULES; fi
 
 # Project scratch: /scratch/project/<project id, lower case>; the id is the Slurm account.
-_fedtune_project=${FEDTUNE_ACCOUNT:-${SLURM_JOB_ACCOUNT:-}}
+# The same account as the profile's (FEDTUNE_KAROLINA_ACCOUNT, else FEDTUNE_ACCOUNT; the jobs inherit
+# both), else Slurm's, which the mpi job path clears. An empty one would put every task's caches under
+# /scratch/project//fedtune.
+_fedtune_project=${FEDTUNE_KAROLINA_ACCOUNT:-${FEDTUNE_ACCOUNT:-${SLURM_JOB_ACCOUNT:-}}}
+if [[ -z ${FEDTUNE_SCRATCH:-} && -z $_fedtune_project ]]; then
+    echo "scripts/clusters/karolina.sh: no project for the scratch path /scratch/project/<project>/fedtune:" \
+        "export FEDTUNE_ACCOUNT (or FEDTUNE_KAROLINA_ACCOUNT), or FEDTUNE_SCRATCH" >&2
+    unset _fedtune_project
+    return 2
+fi
 export FEDTUNE_SCRATCH=${FEDTUNE_SCRATCH:-/scratch/project/${_fedtune_project,,}/fedtune}
 unset _fedtune_project
 source "${BASH_SOURCE[0]%/*}/_common.sh"

@@ -6,7 +6,16 @@
 if [[ -n ${FEDTUNE_MODULES:-} ]] && type module >/dev/null 2>&1; then module load $FEDTUNE_MODULES; fi
 
 # Project scratch: /project/scratch/<account> (accounts are pNNNNNN).
-_fedtune_project=${FEDTUNE_ACCOUNT:-${SLURM_JOB_ACCOUNT:-}}
+# The same account as the profile's (FEDTUNE_MELUXINA_ACCOUNT, else FEDTUNE_ACCOUNT; the jobs inherit
+# both), else Slurm's, which the mpi job path clears. An empty one would put every task's caches under
+# /project/scratch//fedtune.
+_fedtune_project=${FEDTUNE_MELUXINA_ACCOUNT:-${FEDTUNE_ACCOUNT:-${SLURM_JOB_ACCOUNT:-}}}
+if [[ -z ${FEDTUNE_SCRATCH:-} && -z $_fedtune_project ]]; then
+    echo "scripts/clusters/meluxina.sh: no project for the scratch path /project/scratch/<project>/fedtune:" \
+        "export FEDTUNE_ACCOUNT (or FEDTUNE_MELUXINA_ACCOUNT), or FEDTUNE_SCRATCH" >&2
+    unset _fedtune_project
+    return 2
+fi
 export FEDTUNE_SCRATCH=${FEDTUNE_SCRATCH:-/project/scratch/$_fedtune_project/fedtune}
 unset _fedtune_project
 source "${BASH_SOURCE[0]%/*}/_common.sh"

@@ -5,3 +5,7 @@
 export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-false}
+
+# Short limits in the tests: SIGUSR1 a minute before the time limit; no GPU for a container.
+export FEDTUNE_SIGNAL_BEFORE=${FEDTUNE_SIGNAL_BEFORE:-60}
+export FEDTUNE_CONTAINER_GPU=${FEDTUNE_CONTAINER_GPU:-none}

@@ -29,6 +29,7 @@ except ConfigError as error:
 # Software per rule, for --software-deployment-method conda or apptainer (a plain venv is the default).
 CONDA_ENV = "../../envs/fedtune.yaml"
 CONTAINER = os.environ.get("FEDTUNE_CONTAINER", "fedtune.sif")
+DEPLOYMENT = set(map(str, workflow.deployment_settings.deployment_method))
 
 RUN_DIR = RUN.run_dir
 TASK = RUN.task
@@ -161,6 +162,13 @@ def train_launch_args(wildcards):
         f"--cluster {cluster} --launcher {options.job_launcher}"
         f" --nodes {options.nodes} --procs-per-node {options.processes_per_node}"
         f" --cpus-per-task {options.cpus_per_task}"
+        # Under --software-deployment-method apptainer the launcher runs each training process in the
+        # image (not the whole train job, since the image has no Slurm).
+        + (
+            f" --container {shlex.quote(CONTAINER)}"
+            if "apptainer" in DEPLOYMENT
+            else ""
+        )
     )
 
 

@@ -1,4 +1,15 @@
-# download: the only stage with network access; it runs on the login node (localrule).
+# download: the only stage with network access. It runs on the login node (a local rule), unless the
+# cluster's profile gives the rule a partition (set-resources: download_data: slurm_partition: ...):
+# then it is a Slurm job there. Leonardo's login nodes stop a process after 10 minutes of CPU time, and
+# its serial partition lrd_all_serial reaches the internet (profiles/leonardo).
+
+
+# The download rules given a partition by the profile.
+DOWNLOAD_JOBS = {
+    name
+    for name, resources in workflow.resource_settings.overwrite_resources.items()
+    if name.startswith("download_") and "slurm_partition" in resources
+}
 
 
 rule download_data:
@@ -6,7 +17,7 @@ rule download_data:
         directory(run_path("data", "{site}", "raw")),
     log:
         log_path("download_data", "{site}"),
-    localrule: True
+    localrule: "download_data" not in DOWNLOAD_JOBS
     conda:
         CONDA_ENV
     container:
@@ -34,7 +45,7 @@ rule download_model:
         directory(base_model_dir()),
     log:
         log_path("download_model", "base"),
-    localrule: True
+    localrule: "download_model" not in DOWNLOAD_JOBS
     conda:
         CONDA_ENV
     container:

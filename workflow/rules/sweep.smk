@@ -18,7 +18,8 @@ use rule train as train_sweep with:
     wildcard_constraints:
         site=one_of([RUN.sweep_site] if SWEEP_HERE else []),
         label=one_of([re.escape(label) for label in SWEEP_POINTS]),
-    retries: max((p.options.retries for p in RUN.sweep), default=0)
+    # As train: retried in a new Slurm job, never inside the job (workflow.remote_exec).
+    retries: 0 if workflow.remote_exec else max((p.options.retries for p in RUN.sweep), default=0)
     params:
         # Beside the output, not in it: Snakemake deletes the outputs of a failed job.
         checkpoints=lambda wc: run_path("sweep", wc.site, "checkpoints", wc.label),

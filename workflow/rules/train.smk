@@ -20,7 +20,9 @@ rule train:
     wildcard_constraints:
         # Sites of other clusters come in through fetch_site_model (transfer.smk).
         site=one_of(LOCAL_SITES),
-    retries: max(RUN.sites[site].train.retries for site in SITES)
+    # Retried by the main Snakemake, in a new Slurm job; never by the job's own Snakemake (REMOTE mode),
+    # which would restart training in the same allocation, minutes before its time limit.
+    retries: 0 if workflow.remote_exec else max(RUN.sites[site].train.retries for site in SITES)
     conda:
         CONDA_ENV
     threads: lambda wc: train_job_options(wc).cpus_per_task
