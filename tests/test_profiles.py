@@ -232,9 +232,9 @@ def test_profile_dry_runs_every_example_config_for_its_cluster(cluster, account,
 def test_set_resources_name_rules_that_exist(account):
     """Snakemake ignores set-resources of a rule that does not exist: a typo would go unnoticed."""
     rules = {
-        match.group(1)
+        match.group(1) or match.group(2)
         for path in (ROOT / "workflow" / "rules").glob("*.smk")
-        for match in re.finditer(r"^\s*rule (\w+):", path.read_text(), re.M)
+        for match in re.finditer(r"^\s*(?:rule (\w+):|use rule \w+ as (\w+))", path.read_text(), re.M)
     }
     for profile in [*CLUSTERS, "slurm-local"]:
         unknown = set(profile_settings(profile).get("set-resources", {})) - rules
@@ -292,7 +292,9 @@ def test_iris_needs_no_account(monkeypatch, tmp_path):
     for variable in ACCOUNT_VARIABLES:
         monkeypatch.delenv(variable, raising=False)
     assert "slurm_account" not in profile_settings("iris")["default-resources"]
-    cluster_demo(tmp_path, "iris", {"gpus_per_node": 4, "processes_per_node": 4, "launcher": "srun"})
+    cluster_demo(
+        tmp_path, "iris", {"gpus_per_node": 4, "processes_per_node": 4, "launcher": "srun", "micro_batch": 4}
+    )
     result = snakemake(tmp_path, "-n", "--forceall", "results/demo/round-1/alpha/model", profile="iris")
     jobs = [job for job in planned_jobs(result.stdout) if job.name not in local_rules("iris")]
     assert jobs and all("slurm_account" not in job.resources for job in jobs), result.stdout[-2000:]
