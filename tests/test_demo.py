@@ -1,5 +1,6 @@
-"""The demo end to end with the local profile, as `make demo` runs it: download, tokenize, train both
-sites, aggregate, evaluate, report; then a rerun that has nothing to do and the HTML report."""
+"""The demo end to end with the local profile, as `make demo` runs it: download, tokenize, six rounds of
+training both sites and merging them (FedAdam), the pooled baseline, evaluate, report; then a rerun that
+has nothing to do and the HTML report. The demo's point: federation gets close to pooling the data."""
 
 from __future__ import annotations
 
@@ -15,6 +16,11 @@ from PIL import Image
 from . import report_browser
 from .workflow_harness import ROOT, demo_config, snakemake, write_config
 
+CONFIG = demo_config()
+ROUNDS = CONFIG["federation"]["rounds"]
+STEPS = CONFIG["train"]["max_steps"]
+LAST = f"round-{ROUNDS}"
+
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
@@ -24,29 +30,52 @@ def demo(tmp_path_factory):
     return workdir / "results" / "demo", workdir
 
 
+def last_round(run):
+    table = pd.read_csv(run / "report" / "perplexity.csv")
+    return table[(table["round"] == ROUNDS) | (table["model"] == "base")].set_index("model")
+
+
 def test_site_models_beat_the_base_model_on_their_own_site(demo):
     run, _ = demo
-    table = pd.read_csv(run / "report" / "perplexity.csv").set_index("model")
+    table = last_round(run)
     for site in ("alpha", "beta"):
         assert table.loc[site, site] < 0.5 * table.loc["base", site]
         # Each site model is specialised: it is better at home than the other site's model is there.
         other = "beta" if site == "alpha" else "alpha"
         assert table.loc[site, site] < table.loc[other, site]
-    # The merged model sits between: better than the base everywhere.
-    assert (table.loc["aggregate", ["alpha", "beta"]] < table.loc["base", ["alpha", "beta"]]).all()
+
+
+def test_federation_comes_within_one_and_a_half_times_the_pooled_model(demo):
+    """The demo's promise (issue #13): the final aggregate is within 1.5x of the pooled model's
+    perplexity on both sites, and beats each site model on the other site's text."""
+    run, _ = demo
+    table = last_round(run)
+    for site, other in (("alpha", "beta"), ("beta", "alpha")):
+        assert table.loc["aggregate", site] <= 1.5 * table.loc["pooled", site], table
+        assert table.loc["aggregate", site] < table.loc[other, site], table
+    gap = pd.read_csv(run / "report" / "gap.csv")
+    assert list(gap["round"]) == list(range(1, ROUNDS + 1)) and set(gap["model"]) == {"aggregate"}
+    final = gap[gap["round"] == ROUNDS].iloc[0]
+    for site in ("alpha", "beta"):
+        assert final[site] == pytest.approx(table.loc["aggregate", site] / table.loc["pooled", site])
+    # The gap narrows as the rounds go on.
+    assert (gap.iloc[-1][["alpha", "beta"]] < gap.iloc[0][["alpha", "beta"]]).all()
 
 
 def test_every_stage_left_its_outputs(demo):
     run, _ = demo
     for site in ("alpha", "beta"):
-        model = run / "round-1" / site / "model"
+        model = run / LAST / site / "model"
         training = json.loads((model / "training.json").read_text())
-        assert training["site"] == site and training["steps"] == 60 and training["world_size"] == 2
+        assert training["site"] == site and training["steps"] == STEPS and training["world_size"] == 2
+        assert (training["round"], training["first_step"]) == (ROUNDS, (ROUNDS - 1) * STEPS)
         assert (model / "loss.csv").read_text().startswith("step,")
         assert (model / "model.safetensors").is_file()
-    record = json.loads((run / "round-1" / "aggregate" / "model" / "aggregate.json").read_text())
+    record = json.loads((run / LAST / "aggregate" / "model" / "aggregate.json").read_text())
     assert record["method"] == "fedavg"
-    for name in ("perplexity.csv", "perplexity.md", "perplexity.png", "loss.png", "training.csv"):
+    pooled = json.loads((run / "pooled" / "model" / "training.json").read_text())
+    assert pooled["steps"] == 2 * ROUNDS * STEPS and len(pooled["manifests"]) == 2
+    for name in ("perplexity.csv", "perplexity.md", "perplexity.png", "loss.png", "training.csv", "gap.png"):
         assert (run / "report" / name).stat().st_size > 0, name
 
 
@@ -59,10 +88,11 @@ def test_status_summarises_the_finished_run(demo):
     assert result.returncode == 0, result.stderr
     status = json.loads(result.stdout)
     for site in status["sites"]:
-        training = json.loads((run / "round-1" / site["site"] / "model" / "training.json").read_text())
-        assert (site["state"], site["step"], site["total_steps"]) == ("done", 60, 60)
+        training = json.loads((run / LAST / site["site"] / "model" / "training.json").read_text())
+        assert (site["state"], site["step"], site["total_steps"]) == ("done", STEPS, STEPS)
         assert site["loss"] == training["final_loss"] and site["elapsed_s"] == training["wall_time_s"]
-    assert status["rounds"] == [{"round": 1, "aggregate": True, "evaluations": 6, "evaluations_expected": 6}]
+    last = status["rounds"][-1]
+    assert last == {"round": ROUNDS, "aggregate": True, "evaluations": 6, "evaluations_expected": 6}
     assert status["report"] is True
 
 
@@ -116,10 +146,11 @@ def test_the_html_report_shows_tables_figures_and_settings_in_a_browser(demo, tm
     # Training and settings tables, with their captions.
     rows = rendered("training.html")
     assert rows[0][:3] == ["round", "site", "steps"] and {r[1] for r in rows[1:]} == {"alpha", "beta"}
-    assert all(r[2] == "60" for r in rows[1:])
+    assert all(r[2] == str(STEPS) for r in rows[1 : 1 + 2 * ROUNDS])
     assert "The run's settings as Snakemake applied them" in shown["settings.html"]["info"]
     settings = dict(map(tuple, rendered("settings.html")[1:]))
-    assert settings["federation.rounds"] == "1" and settings["aggregate.method"] == "fedavg"
+    assert settings["federation.rounds"] == str(ROUNDS) and settings["aggregate.method"] == "fedavg"
+    assert settings["aggregate.server_optimizer.name"] == "fedadam"
     assert settings["sites.beta.prompt_template"] == "Scrivi un bollettino: {text}"
 
     # What a user sees: a screenshot of the table view and of a figure, neither a blank page.

@@ -34,7 +34,9 @@ def test_each_round_tells_train_where_it_is_and_the_pooled_model_gets_the_federa
     assert "--optimizer" not in trains[("2", "beta")].shell
     (pooled,) = [job for job in jobs if job.name == "train_pooled"]
     assert "alpha/manifest.json" in pooled.shell and "beta/manifest.json" in pooled.shell
-    assert '"max_steps":360' in pooled.shell  # 2 sites x 3 rounds x 60 steps of the same global batch
+    steps = demo_config()["train"]["max_steps"]
+    # 2 sites x 3 rounds x their steps, all of the same global batch.
+    assert f'"max_steps":{2 * 3 * steps}' in pooled.shell
     assert "--round" not in pooled.shell and "model/base" in pooled.shell.split("--init ")[1].split()[0]
     evaluated = Counter(job.name for job in jobs if job.name.startswith("evaluate"))
     # Rounds 1 and 2: the aggregate on 2 sites; round 3: 3 models on 2 sites; pooled and base: 2 each.
