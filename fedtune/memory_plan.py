@@ -265,6 +265,125 @@ def memory_table(shape: Shape, *, micro_batch: int = 1, seq: int = 2048, nodes: 
     return "\n".join(lines)
 
 
+def min_nodes(shape: Shape, cluster: Cluster, setup: Setup, limit: int = 64) -> int | None:
+    """The fewest nodes on which `setup` fits `cluster`'s GPUs and host memory, up to `limit`."""
+    for nodes in range(1, limit + 1):
+        trial = Setup(**{**setup.__dict__, "nodes": nodes, "gpus_per_node": cluster.gpus_per_node})
+        total = per_device(shape, trial)["total"]
+        if (
+            fits(total, cluster.gpu_bytes)
+            and host_per_node(shape, trial, load_once=True) <= cluster.node_ram_bytes
+        ):
+            return nodes
+    return None
+
+
+def nodes_table(shape: Shape, *, micro_batch: int = 1, seq: int = 2048) -> str:
+    header = [f"{c.name} {c.gpu}" for c in CLUSTERS]
+    lines = [
+        f"| {shape.name}: fewest nodes | " + " | ".join(header) + " |",
+        "|---|" + "---:|" * len(CLUSTERS),
+    ]
+    for i, (label, _) in enumerate(configurations(CLUSTERS[0])):
+        cells = []
+        for cluster in CLUSTERS:
+            setup = list(configurations(cluster))[i][1]
+            setup = Setup(**{**setup.__dict__, "micro_batch": micro_batch, "seq": seq})
+            n = min_nodes(shape, cluster, setup)
+            cells.append("never" if n is None else str(n))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One site of an example config: its data per epoch and the GPUs it trains on. `tokens` and
+    `mfu` are ASSUMED (the notes say from what) until the tokenize manifests and the GPU benchmark
+    give measured ones."""
+
+    config: str
+    site: str
+    gpus: str
+    gpu_count: int
+    peak_tflops: float
+    matmul_params: float
+    layers: int
+    hidden: int
+    seq: int
+    tokens: float
+    epochs: float
+    mfu: float
+    notes: str
+
+
+def _llama7b_matmul() -> int:
+    shape = LLAMA2["7B"]
+    return shape.params - shape.vocab * shape.hidden
+
+
+WORKLOADS = (
+    Workload("llama2-it-cs", "cs", "Karolina 2 x 8 A100 40 GB", 16, 312, _llama7b_matmul(), 32, 4096, 2048,
+             1_000_000 * 2048, 1, 0.30,
+             "max_documents 1,000,000, padding: one 2048-token block per document (longer ones truncated)"),
+    Workload("llama2-it-cs", "it (1M docs)", "Leonardo 4 x 4 A100 64 GB", 16, 312, _llama7b_matmul(), 32,
+             4096, 2048, 1_000_000 * 2048, 1, 0.30,
+             "clean_mc4_it tiny: 1M-10M documents (the dataset card's size category); low end"),
+    Workload("llama2-it-cs", "it (10M docs)", "Leonardo 4 x 4 A100 64 GB", 16, 312, _llama7b_matmul(), 32,
+             4096, 2048, 10_000_000 * 2048, 1, 0.30, "high end of the same range"),
+    Workload("gpt2-wikitext(-deepspeed)", "wiki", "MeluXina 2 x 4 A100 40 GB", 8, 312, 124e6, 12, 768, 1024,
+             2.4e6, 3, 0.25, "wikitext-2 train: ~2.4M GPT-2 tokens, packed"),
+    Workload("gpt2-scratch", "wiki", "MeluXina 1 x 4 A100 40 GB", 4, 312, 124e6, 12, 768, 512,
+             5000 * 64 * 512, 1, 0.25, "max_steps 5000 x 64 blocks x 512: the run, not an epoch"),
+    Workload("opt125m-yelp", "yelp", "Iris 1 x 4 V100 (fp16)", 4, 125, 124e6, 12, 768, 512,
+             650_000 * 180, 1, 0.25, "Yelp review full train: 650k reviews x ~180 tokens, packed"),
+    Workload("distilbert-imdb", "imdb", "Karolina 1 x 2 A100 40 GB", 2, 312, 43e6, 6, 768, 512,
+             25_000 * 512, 2, 0.25, "IMDB train: 25k reviews, padding: one 512-token block each"),
+)  # fmt: skip
+
+
+def epoch_table() -> str:
+    lines = [
+        "| example | site | GPUs | tokens per epoch | epochs | FLOPs per token | assumed MFU | hours per epoch | notes |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for w in WORKLOADS:
+        flops = flops_per_token(int(w.matmul_params), w.layers, w.hidden, w.seq)
+        hours = epoch_hours(w.tokens, flops, w.gpu_count, w.peak_tflops, w.mfu)
+        lines.append(
+            f"| {w.config} | {w.site} | {w.gpus} | {w.tokens / 1e6:,.1f}M | {w.epochs:g} | "
+            f"{flops / 1e9:.2f} G | {w.mfu:.0%} | {hours:.3g} | {w.notes} |"
+        )
+    return "\n".join(lines)
+
+
+def example_table() -> str:
+    """The Llama-2-7B example's two sites as configured (config/examples/llama2-it-cs.yaml)."""
+    shape = LLAMA2["7B"]
+    rows = (
+        (
+            "it: hybrid_zero2 + AC, micro 4",
+            CLUSTERS[0],
+            Setup("hybrid_zero2", 4, 4, micro_batch=4, checkpointing=True),
+        ),
+        ("cs: hybrid + AC, micro 4", CLUSTERS[1], Setup("hybrid", 8, 2, micro_batch=4, checkpointing=True)),
+        ("cs: hybrid + AC, micro 2", CLUSTERS[1], Setup("hybrid", 8, 2, micro_batch=2, checkpointing=True)),
+        ("cs: full + AC, micro 4", CLUSTERS[1], Setup("full", 8, 2, micro_batch=4, checkpointing=True)),
+    )
+    lines = [
+        "| site, setting | GPU | state | working + grads | activations | total | fits |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
+    for label, cluster, setup in rows:
+        parts = per_device(shape, setup)
+        working = parts["working_params"] + parts["unsharded_grads"]
+        lines.append(
+            f"| {label} | {cluster.name} {cluster.gpu} | {parts['sharded_state'] / 1e9:.1f} | {working / 1e9:.1f} | "
+            f"{parts['activations'] / 1e9:.1f} | {parts['total'] / 1e9:.1f} | "
+            f"{'yes' if fits(parts['total'], cluster.gpu_bytes) else 'no'} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description="Memory per GPU of each sharding mode (docs/scaling.md)")
     parser.add_argument("--model", choices=sorted(LLAMA2), action="append")
@@ -275,6 +394,11 @@ def main(argv=None) -> None:
     for key in args.model or list(LLAMA2):
         print(memory_table(LLAMA2[key], micro_batch=args.micro_batch, seq=args.seq, nodes=args.nodes))
         print()
+        print(nodes_table(LLAMA2[key], micro_batch=args.micro_batch, seq=args.seq))
+        print()
+    print(example_table())
+    print()
+    print(epoch_table())
 
 
 if __name__ == "__main__":
