@@ -135,8 +135,8 @@ def train(args, options: dict) -> int:
     # -- processes, device, model
     import torch
 
-    from fedtune import backends, checkpoint, distributed
-    from fedtune.models import CAUSAL_LM, CLASSIFICATION, load_model
+    from fedtune import checkpoint, distributed, loading
+    from fedtune.models import CAUSAL_LM, CLASSIFICATION
 
     task = CLASSIFICATION if blocks.classification else CAUSAL_LM
     job = distributed.start(options["device"])
@@ -151,12 +151,10 @@ def train(args, options: dict) -> int:
     started_by = "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "direct start"
     say(f"rank {job.rank}/{job.world_size} on host {job.hostname} ({job.device}, {started_by})")
     torch.manual_seed(options["seed"])
-    # One process per node hashes the starting weights; the others would only read them again.
-    model = load_model(
-        args.init, task=task, dtype="float32", allow_pickle=args.allow_pickle, verify=job.local_rank == 0
+    # Weights read once (fedtune.loading; per rank where a mode replicates them), then sharded.
+    backend = loading.load_backend(
+        args.init, options, job, order.accumulation, task=task, allow_pickle=args.allow_pickle
     )
-    model.config.use_cache = False
-    backend = backends.build(model, options, job, order.accumulation)
     if job.is_main:
         say(
             f"training {args.site}: {len(blocks)} blocks of {blocks.block_size} tokens, "
