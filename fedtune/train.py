@@ -249,6 +249,7 @@ def train(args, options: dict) -> int:
         if stop_now or (every and step % every == 0) or step == total_steps:
             save_checkpoint()
         if stop_now:
+            checkpoint.wait()  # the signal's checkpoint is written in the background: finish it
             distributed.stop()
             return EXIT_RETRY
 
