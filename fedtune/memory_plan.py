@@ -194,10 +194,10 @@ def fits(total: int, gpu_bytes: int) -> bool:
     return total + CUDA_RESERVE_BYTES + CUDA_RESERVE_SHARE * total <= gpu_bytes
 
 
-def cpu_process(shape: Shape, setup: Setup, *, host_model_copy: bool = True) -> dict[str, int]:
-    """The same components for a CPU process (fp32, no DeepSpeed buckets on CPU's gloo path counted
-    separately), plus the full fp32 model each process builds before sharding when `host_model_copy`
-    (fedtune.train today): what one rank's peak resident memory adds to the interpreter's."""
+def cpu_process(shape: Shape, setup: Setup, *, host_model_copy: bool = False) -> dict[str, int]:
+    """The same components for one CPU process in fp32: what its peak resident memory adds to the
+    interpreter's. `host_model_copy` adds the full fp32 model that every process built before sharding
+    when it loaded the weights itself (FEDTUNE_LOADING=per-rank; fedtune.loading loads FSDP's once)."""
     parts = per_device(shape, setup)
     if host_model_copy:
         parts["host_model_copy"] = 4 * shape.params
