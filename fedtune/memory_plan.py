@@ -13,10 +13,12 @@ group of S devices, a world of W, low-precision bytes l (2 for bf16/fp16, 4 for 
                                                        (current + prefetched); hybrid_zero2 keeps every
                                                        layer gathered from its forward to its backward
       unsharded gradients  (l + 4) max(Lp, R)          one unit's gradient and its fp32 reduce copy
+      optimizer step       4 P / S                     foreach AdamW's parameter-sized temporaries
     DeepSpeed ZeRO (bf16 weights in the module, fp32 master weights in the optimizer)
       ZeRO-2               l P + l P / W + 16 P / W + bucket   (replicated weights; gradients,
                                                                master, fp32 gradient, Adam sharded)
       ZeRO-3               (l + l + 16) P / W + l (R + 2 Lp) + bucket
+      (both, + 4 P / W for the optimizer step's temporaries unless the optimizer is offloaded)
       offload_optimizer    moves the 16 P / W (master, fp32 gradient, Adam) to host memory
       offload_params       (ZeRO-3) moves the l P / W weight shards to host memory
       bucket               DeepSpeed's reduce bucket, min(P, 5e8) elements of l bytes
@@ -159,6 +161,7 @@ def per_device(shape: Shape, setup: Setup) -> dict[str, int]:
         parts["sharded_state"] = 16 * P // S
         parts["working_params"] = lo * P if setup.mode == "hybrid_zero2" else lo * R + 2 * lo * Lp
         parts["unsharded_grads"] = (lo + (4 if lo < 4 else 0)) * max(Lp, R)
+        parts["optimizer_temporaries"] = 4 * P // S
     else:
         bucket = min(P, DEEPSPEED_BUCKET) * lo
         optimizer = 0 if setup.offload_optimizer else 16 * P // W
@@ -170,6 +173,7 @@ def per_device(shape: Shape, setup: Setup) -> dict[str, int]:
             parts["grad_shard"] = lo * P // W
             parts["working_params"] = lo * (R + 2 * Lp)
         parts["optimizer_state"] = optimizer
+        parts["optimizer_temporaries"] = 0 if setup.offload_optimizer else 4 * P // W
         parts["bucket"] = bucket
     parts["activations"] = activations(shape, setup)
     parts["total"] = sum(parts.values())
@@ -194,15 +198,10 @@ def fits(total: int, gpu_bytes: int) -> bool:
     return total + CUDA_RESERVE_BYTES + CUDA_RESERVE_SHARE * total <= gpu_bytes
 
 
-def cpu_process(shape: Shape, setup: Setup, *, host_model_copy: bool = False) -> dict[str, int]:
+def cpu_process(shape: Shape, setup: Setup) -> dict[str, int]:
     """The same components for one CPU process in fp32: what its peak resident memory adds to the
-    interpreter's. `host_model_copy` adds the full fp32 model that every process built before sharding
-    when it loaded the weights itself (FEDTUNE_LOADING=per-rank; fedtune.loading loads FSDP's once)."""
-    parts = per_device(shape, setup)
-    if host_model_copy:
-        parts["host_model_copy"] = 4 * shape.params
-        parts["total"] += parts["host_model_copy"]
-    return parts
+    interpreter's (tests/test_memory_plan.py measures it)."""
+    return per_device(shape, setup)
 
 
 # -- time per epoch ----------------------------------------------------------------------------------
@@ -370,14 +369,15 @@ def example_table() -> str:
         ("cs: full + AC, micro 4", CLUSTERS[1], Setup("full", 8, 2, micro_batch=4, checkpointing=True)),
     )
     lines = [
-        "| site, setting | GPU | state | working + grads | activations | total | fits |",
+        "| site, setting | GPU | state + optimizer step | working + grads | activations | total | fits |",
         "|---|---|---:|---:|---:|---:|---|",
     ]
     for label, cluster, setup in rows:
         parts = per_device(shape, setup)
         working = parts["working_params"] + parts["unsharded_grads"]
+        state = parts["sharded_state"] + parts["optimizer_temporaries"]
         lines.append(
-            f"| {label} | {cluster.name} {cluster.gpu} | {parts['sharded_state'] / 1e9:.1f} | {working / 1e9:.1f} | "
+            f"| {label} | {cluster.name} {cluster.gpu} | {state / 1e9:.1f} | {working / 1e9:.1f} | "
             f"{parts['activations'] / 1e9:.1f} | {parts['total'] / 1e9:.1f} | "
             f"{'yes' if fits(parts['total'], cluster.gpu_bytes) else 'no'} |"
         )

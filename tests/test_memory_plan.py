@@ -73,11 +73,12 @@ TOLERANCE = 0.15  # of the predicted model share, plus 25 MB of thread stacks an
 # VmHWM, not ru_maxrss: a child's ru_maxrss starts at its parent's peak (Linux carries it over exec),
 # and this child's parent is pytest. The train ranks' parent, torchrun, is smaller than they are.
 BASELINE = """
-import torch, torch.distributed.checkpoint, datasets, transformers
+import torch, torch.distributed.checkpoint, datasets, transformers, accelerate
+import torch.distributed.checkpoint.state_dict, torch.distributed.tensor
 from torch.distributed.fsdp import fully_shard
 from transformers import LlamaForCausalLM
 import fedtune.backends, fedtune.blocks, fedtune.checkpoint, fedtune.distributed, fedtune.models
-import fedtune.tokenize, fedtune.train
+import fedtune.loading, fedtune.tokenize, fedtune.train
 job = fedtune.distributed.start("cpu")
 status = open("/proc/self/status").read()
 print(int(status.split("VmHWM:")[1].split()[0]) / 1024)
@@ -116,8 +117,7 @@ def test_formula_matches_the_peak_of_a_two_process_cpu_run(tmp_path, tiny_model_
                      c["num_key_value_heads"], c["intermediate_size"], len(tokenizer))  # fmt: skip
     assert shape.params == sum(p.numel() for p in model.parameters())
     setup = mp.Setup("full", gpus_per_node=2, precision="fp32", micro_batch=2, seq=BLOCK_SIZE)
-    # FSDP full loads the weights once (fedtune.loading): no whole-model copy per process.
-    predicted = mp.cpu_process(shape, setup, host_model_copy=False)["total"] / 2**20
+    predicted = mp.cpu_process(shape, setup)["total"] / 2**20
     share = measured - baseline
     print(
         f"measured peak {measured:.0f} MB = baseline {baseline:.0f} + {share:.0f}; predicted {predicted:.0f}"
