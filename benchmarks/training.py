@@ -23,7 +23,11 @@ allocations, DeepSpeed's first step excluded): for fedtune from the per-step `to
 loss.csv (each step's duration is tokens_per_step / tokens_per_s), for the Trainer from the times of
 `on_step_end` of a callback on rank 0. Wall time is the whole launch, imports and export included.
 Prints one JSON object: per run tokens/s, wall time, final loss, and ratios to the Trainer (target of
-issue 7: fsdp with sharding none at least equal to the Trainer)."""
+issue 7: fsdp with sharding none at least equal to the Trainer).
+
+`--checkpoint-blocking [--checkpoint-every 2]` instead runs fsdp full twice, with FEDTUNE_CHECKPOINT=sync
+and with the default asynchronous save, and reports the seconds the ranks stood still per checkpoint
+(fedtune.checkpoint logs them; target of issue 15: asynchronous at most 25% of synchronous)."""
 
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -182,13 +187,13 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def launch(command: list[str], tmp: Path, log: Path) -> float:
+def launch(command: list[str], tmp: Path, log: Path, env: dict | None = None) -> float:
     log.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     cpu_before = cpu_seconds()
     with open(log, "w") as out:
         code = subprocess.run(
-            command, cwd=ROOT, env=child_env(tmp), stdout=out, stderr=subprocess.STDOUT
+            command, cwd=ROOT, env={**child_env(tmp), **(env or {})}, stdout=out, stderr=subprocess.STDOUT
         ).returncode
     wall = time.perf_counter() - start
     LAST_CPU_S[0] = cpu_seconds() - cpu_before
@@ -341,6 +346,61 @@ def hf_worker(spec: dict) -> None:
 # -- main ------------------------------------------------------------------------------------------
 
 
+# -- checkpoint blocking time (issue 15: async save) ------------------------------------------------
+
+STAGED = re.compile(r"^checkpoint step (\d+): blocked ([\d.]+) s, writing on")
+COMPLETE = re.compile(
+    r"^checkpoint step-(\d+): complete \((synchronous|waited for the writer), blocked ([\d.]+) s\)"
+)
+
+
+def blocking_per_checkpoint(log_text: str) -> dict[int, float]:
+    """Seconds the ranks stood still for each checkpoint, from rank 0's log lines (fedtune.checkpoint):
+    synchronous, the whole save; asynchronous, the staging plus any wait for its writer at the next
+    save."""
+    blocked: dict[int, float] = {}
+    for line in log_text.splitlines():
+        if m := STAGED.match(line):
+            blocked[int(m.group(1))] = blocked.get(int(m.group(1)), 0.0) + float(m.group(2))
+        elif m := COMPLETE.match(line):
+            blocked[int(m.group(1))] = blocked.get(int(m.group(1)), 0.0) + float(m.group(3))
+    return blocked
+
+
+def run_checkpoint_blocking(args, model_dir: Path, manifest: Path, tmp: Path) -> dict:
+    """fsdp full with a checkpoint every --checkpoint-every steps, written synchronously and then
+    asynchronously. The run's last checkpoint is waited for in both (nothing may be in flight at the
+    end), so the comparison is over the others."""
+    from fedtune.train import check_options
+
+    out = {}
+    for mode in ("sync", "async"):
+        extra = {"backend": "fsdp", "sharding": "full"}
+        options = check_options(train_options(args, extra) | {"checkpoint_every": args.checkpoint_every})
+        run_dir = tmp / "runs" / f"checkpoint-{mode}"
+        command = [
+            str(LAUNCH), "--procs-per-node", str(args.procs), "--",
+            "python", "-m", "fedtune.train", "--site", SITE, "--init", str(model_dir),
+            "--manifest", str(manifest), "--options", json.dumps(options), "--dtype", "float32",
+            "--checkpoints", str(run_dir / "checkpoints"), "--out", str(run_dir / "model"),
+        ]  # fmt: skip
+        wall = launch(command, tmp, run_dir / "train.log", env={"FEDTUNE_CHECKPOINT": mode})
+        blocked = blocking_per_checkpoint((run_dir / "train.log").read_text())
+        last = max(blocked)
+        others = [blocked[s] for s in sorted(blocked) if s != last]
+        out[mode] = {
+            "blocked_s_per_checkpoint": {str(s): round(v, 3) for s, v in sorted(blocked.items())},
+            "mean_blocked_s": round(statistics.mean(others), 3) if others else None,
+            "last_checkpoint_s": round(blocked[last], 3),
+            "wall_s": round(wall, 1),
+            "final_loss": json.loads((run_dir / "model" / "training.json").read_text())["final_loss"],
+        }
+    sync, asynchronous = out["sync"]["mean_blocked_s"], out["async"]["mean_blocked_s"]
+    out["async_over_sync"] = round(asynchronous / sync, 3) if sync and asynchronous is not None else None
+    out["target_at_most_0_25"] = out["async_over_sync"] is not None and out["async_over_sync"] <= 0.25
+    return out
+
+
 def load_average() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
@@ -364,6 +424,12 @@ def main() -> None:
     parser.add_argument("--procs", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=1, help="repeat every run, order rotated; medians")
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder (logs, models)")
+    parser.add_argument(
+        "--checkpoint-blocking",
+        action="store_true",
+        help="instead of the runs: fsdp full with checkpoints written synchronously, then asynchronously",
+    )
+    parser.add_argument("--checkpoint-every", type=int, default=2, help="with --checkpoint-blocking")
     parser.add_argument("--hf-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -386,6 +452,15 @@ def main() -> None:
         # tokenize_shard prints its counts, and DeepSpeed's import a warning, to stdout: keep it for the JSON.
         with contextlib.redirect_stdout(sys.stderr):
             model_dir, manifest, data_info = prepare(args, tmp)
+        if args.checkpoint_blocking:
+            result = {
+                "settings": {"processes": args.procs, "steps": args.steps, **data_info},
+                "load_average": {"before": load_before},
+                "checkpoint_blocking": run_checkpoint_blocking(args, model_dir, manifest, tmp),
+            }
+            result["load_average"]["after"] = load_average()
+            print(json.dumps(result, indent=2))
+            return
         for r in range(args.rounds):
             # Rotated each round, so that no configuration always runs first or last while the load drifts.
             order = names[r % len(names) :] + names[: r % len(names)]

@@ -8,8 +8,9 @@ same for both:
     backend.full_state_dict()                                  gathered weights, on rank 0 (collective)
 
 (the `Backend` protocol below).
-Every rank holds the same full model when a backend is built (loaded from the same folder); the
-backend shards it. Master weights and optimizer state stay in fp32 whatever the precision."""
+A backend is built from the whole model (every rank loads it, as with DeepSpeed and DDP) or, for
+FSDP, from a model on the meta device that fedtune.loading fills after sharding; `weights_loaded` then
+makes the optimizer again. Master weights and optimizer state stay in fp32 whatever the precision."""
 
 from __future__ import annotations
 
@@ -155,8 +156,13 @@ class _TorchBackend:
         self.model = model
         self.job, self.accumulation = job, accumulation
         self.grad_clip = options.grad_clip
-        self.optimizer = adamw(model, options)
         self.scaler = LossScaler() if options.precision == "fp16" else None
+        self.weights_loaded(options)
+
+    def weights_loaded(self, options: TrainOptions) -> None:
+        """Make what depends on the weights' storage: the optimizer and FedProx's start weights. Again
+        after fedtune.loading has filled a model that was built on the meta device."""
+        self.optimizer = adamw(self.model, options)
         self.proximal = Proximal(options.fedprox_mu, self._local_tensors) if options.fedprox_mu else None
 
     def _local_tensors(self, grads: bool):

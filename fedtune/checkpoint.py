@@ -8,14 +8,23 @@
 
 All ranks write into `.step-00000040.tmp` (the filesystem is shared across nodes); rank 0 renames it
 when every rank is done, so a folder named step-N is always complete and a killed writer leaves only
-a temporary name, which the next save removes. The newest complete folder is where a run resumes."""
+a temporary name, which the next save removes. The newest complete folder is where a run resumes.
+
+FSDP's model and optimizer are written in the background (`dcp.async_save`): the ranks block only while
+the state is copied to host memory (staging), then train on while a thread writes it. At most one save
+is in flight: the next save, `wait()` (train's signal path) and the run's last checkpoint wait for it,
+and only then is the folder renamed to step-N. FEDTUNE_CHECKPOINT=sync writes synchronously (the
+benchmark's "before"). DeepSpeed's own save_checkpoint stays synchronous."""
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import shutil
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -66,29 +75,105 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+CHECKPOINT_ENV = "FEDTUNE_CHECKPOINT"
+
+
+@dataclass
+class _InFlight:
+    future: object  # concurrent.futures.Future of dcp.async_save
+    tmp: Path
+    final: Path
+    keep: int
+    job: object
+    started: float
+
+
+_in_flight: _InFlight | None = None
+_async_group = None
+
+
+def _writes_async(backend) -> bool:
+    return (
+        os.environ.get(CHECKPOINT_ENV) != "sync" and backend.name == "fsdp" and hasattr(backend, "optimizer")
+    )
+
+
+def _gloo_group():
+    """A process group of its own for the background writer's collectives (a CPU one, which dcp
+    requires, also beside NCCL), so that they never interleave with the training loop's."""
+    global _async_group
+    if _async_group is None:
+        import torch.distributed as dist
+
+        _async_group = dist.new_group(backend="gloo")
+    return _async_group
+
+
 def save(root: Path, step: int, backend, trainer: dict, loss_log: str, job, keep: int) -> Path:
-    """Write checkpoint `step` (collective: every rank calls it) and keep the newest `keep`."""
+    """Write checkpoint `step` (collective: every rank calls it) and keep the newest `keep`. FSDP's state
+    is written in the background; the run's last checkpoint (step == total_steps) is waited for."""
+    wait()
+    started = time.perf_counter()
     final = root / name(step)
     tmp = root / f".{name(step)}.tmp"
     if job.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "rng").mkdir(parents=True)
     distributed.barrier()
-    backend.save(tmp)
+    future = None
+    if _writes_async(backend):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(backend.model, backend.optimizer)
+        future = dcp.async_save(
+            {"model": model_state, "optim": optim_state},
+            checkpoint_id=str(tmp / "fsdp"),
+            process_group=_gloo_group(),
+        )
+    else:
+        backend.save(tmp)
     torch.save(rng_state(), tmp / "rng" / f"rank-{job.rank}.pt")
-    distributed.barrier()
     if job.is_main:
         (tmp / LOSS_LOG).write_text(loss_log)
         write_json(tmp / TRAINER_STATE, {**trainer, "extra": backend.extra_state()})
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-        for _, old in complete(root)[:-keep]:
+    global _in_flight
+    _in_flight = _InFlight(future, tmp, final, keep, job, started)
+    if future is None or step >= trainer.get("total_steps", step + 1):
+        wait()
+    elif job.is_main:
+        print(
+            f"checkpoint step {step}: blocked {time.perf_counter() - started:.3f} s, writing on", flush=True
+        )
+    return final
+
+
+def wait() -> Path | None:
+    """Finish the checkpoint in flight, if any (collective): wait for its writer, then rank 0 renames
+    it complete and prunes old ones. Returns its folder."""
+    global _in_flight
+    pending, _in_flight = _in_flight, None
+    if pending is None:
+        return None
+    waited = time.perf_counter()
+    if pending.future is not None:
+        pending.future.result()
+    distributed.barrier()
+    job = pending.job
+    if job.is_main:
+        if pending.final.exists():
+            shutil.rmtree(pending.final)
+        pending.tmp.rename(pending.final)
+        root = pending.final.parent
+        for _, old in complete(root)[: -pending.keep]:
             shutil.rmtree(old)
         for stale in root.glob(".step-*.tmp"):
             shutil.rmtree(stale, ignore_errors=True)
+        blocked = time.perf_counter() - (pending.started if pending.future is None else waited)
+        kind = "synchronous" if pending.future is None else "waited for the writer"
+        print(f"checkpoint {pending.final.name}: complete ({kind}, blocked {blocked:.3f} s)", flush=True)
     distributed.barrier()
-    return final
+    return pending.final
 
 
 def read_trainer_state(folder: Path) -> dict:

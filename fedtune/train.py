@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fedtune import backends, checkpoint, distributed, offline, tracking
+from fedtune import checkpoint, distributed, loading, offline, tracking
 from fedtune.atomic import atomic_dir, write_json, write_text
 from fedtune.blocks import BlockOrder, Blocks, manifest_shards, trained_tokens
 from fedtune.config import CAUSAL_LM, CLASSIFICATION, ConfigError, TrainOptions, UserError
@@ -220,12 +220,10 @@ def setup(args: TrainJob, options: TrainOptions, plan: RoundPlan) -> Setup:
     started_by = "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "direct start"
     say(f"rank {job.rank}/{job.world_size} on host {job.hostname} ({job.device}, {started_by})")
     torch.manual_seed(options.seed)
-    # One process per node hashes the starting weights; the others would only read them again.
-    model = load_model(
-        args.init, task=task, dtype="float32", allow_pickle=args.allow_pickle, verify=job.local_rank == 0
+    # Weights read once (fedtune.loading; per rank where a mode replicates them), then sharded.
+    backend = loading.load_backend(
+        args.init, options, job, order.accumulation, task=task, allow_pickle=args.allow_pickle
     )
-    model.config.use_cache = False
-    backend = backends.build(model, options, job, order.accumulation)
     if args.optimizer_in:
         backend.load_optimizer(args.optimizer_in)
     return Setup(
@@ -361,6 +359,7 @@ def train(args: TrainJob, options: TrainOptions, plan: RoundPlan = RoundPlan()) 
         if stop_now or (every and step % every == 0) or step == total:
             save_checkpoint(run, progress, started)
         if stop_now:
+            checkpoint.wait()  # the signal's checkpoint is written in the background: finish it
             tracker.close()
             distributed.stop()
             return EXIT_RETRY

@@ -1,0 +1,469 @@
+"""Benchmark: training throughput (tokens/s), model FLOPs utilisation and peak memory of fedtune's backends
+beside the Hugging Face Trainer, on one GPU, with a ~1B-parameter Llama built from a config.
+
+    python benchmarks/gpu_training.py                 # on a GPU machine: 1.1B Llama, seq 2048, bf16
+    python benchmarks/gpu_training.py --smoke         # a tiny Llama on CPU, a few steps (tests run it)
+
+The model is TinyLlama-1.1B's architecture (hidden 2048, intermediate 5632, 22 layers, 32 heads, 4 key/value
+heads, 32000-token vocabulary, untied head) with random weights from a seed: nothing is downloaded. The
+data are random token ids from a seed, the same rows in the same order for every run. Every run has the
+same micro batch, accumulation, sequence length, steps, precision, AdamW (0.9/0.95, eps 1e-8) at a
+constant learning rate and clipping at 1.0; each runs in a fresh process (so its peak memory is its own):
+
+- fsdp:            fedtune.backends.build with the options train.py gives it (backend fsdp, sharding full),
+                   the loop of fedtune.train (forward_backward per micro batch, step once per step);
+- fsdp_fast:       the same plus fedtune.speed: torch.compile per decoder layer, fused AdamW, batches copied
+                   from pinned memory with non_blocking, and (with --checkpoint-every N) selective activation
+                   checkpointing of every N-th layer;
+- deepspeed_zero2, deepspeed_zero3: fedtune.backends.build with backend deepspeed, zero_stage 2 / 3;
+- hf_trainer:      transformers.Trainer on the same model and rows (sequential sampler), bf16 autocast, fused
+                   AdamW on CUDA, its defaults otherwise.
+
+Tokens/s is over the steps after --measure-after (compilation and first allocations left out); every step
+ends in a host sync in both loops (fedtune reads the gradient norm, the Trainer's callback synchronises).
+
+MFU (model FLOPs utilisation) = tokens/s x FLOPs per token / the GPU's dense bf16 peak (PEAK_TFLOPS), with
+
+    FLOPs per token = 6 N + 12 L s d
+
+- N: the parameters that take part in a matrix multiply: all of them but the input embedding (a lookup);
+  the untied LM head counts. Forward: 2 FLOPs (multiply + add) per parameter and token; backward twice
+  the forward (gradients of the inputs and of the weights): 6 N.
+- 12 L s d, attention: per layer and token, the scores Q K^T cost 2 s d (s keys, d = heads x head_dim
+  query width; grouped key/value heads do not shrink it) and the weighted sum of V another 2 s d: 4 s d
+  forward, x3 with backward. This is the convention of PaLM, nanoGPT and torchtitan: it counts the whole
+  s x s score matrix although causal masking needs only the s (s + 1) / 2 lower triangle, whose exact
+  count is 12 L d (s + 1) / 2 ~ 6 L s d (reported as mfu_causal). Recomputation (activation
+  checkpointing, flash attention's backward) is not counted: MFU counts the model's FLOPs, not the work done.
+
+Prints one JSON object and a Markdown table. Goals (issue 15): fsdp_fast MFU >= 45% on an H100/H200 and
+its tokens/s >= 1.2 x the Trainer's."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Dense (no sparsity) bf16 tensor-core peak, TFLOPS, by a piece of torch.cuda.get_device_name(); the first
+# match wins, so the more specific names come first. V100 has no bf16: its fp16 peak.
+PEAK_TFLOPS = (
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.0),  # SXM
+    ("GH200", 989.0),
+    ("H200", 989.0),
+    ("A100", 312.0),
+    ("V100", 125.0),
+)
+
+ARCHITECTURES = {
+    # TinyLlama-1.1B's shape: a Llama-2 architecture at ~1B parameters.
+    "1b": {
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 22,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "vocab_size": 32000,
+        "tie_word_embeddings": False,
+    },
+    "smoke": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 512,
+        "tie_word_embeddings": False,
+    },
+}
+
+RUNS = {
+    "hf_trainer": None,
+    "fsdp": {"backend": "fsdp", "sharding": "full"},
+    "fsdp_fast": {"backend": "fsdp", "sharding": "full"},
+    "deepspeed_zero2": {"backend": "deepspeed", "zero_stage": 2},
+    "deepspeed_zero3": {"backend": "deepspeed", "zero_stage": 3},
+}
+COLUMNS = ("tokens_per_s", "mfu", "mfu_causal", "peak_mem_mb", "first_loss", "final_loss", "wall_s")
+
+
+def peak_tflops(device_name: str) -> float | None:
+    for piece, tflops in PEAK_TFLOPS:
+        if piece in device_name:
+            return tflops
+    return None
+
+
+def flops_per_token(architecture: dict, seq: int) -> dict:
+    """The terms of 6 N + 12 L s d (module docstring), from the architecture alone."""
+    h, layers = architecture["hidden_size"], architecture["num_hidden_layers"]
+    heads = architecture["num_attention_heads"]
+    kv = architecture.get("num_key_value_heads", heads)
+    head_dim = architecture.get("head_dim") or h // heads
+    ffn, vocab = architecture["intermediate_size"], architecture["vocab_size"]
+    per_layer = h * heads * head_dim + 2 * h * kv * head_dim + heads * head_dim * h + 3 * h * ffn
+    matmul_params = layers * per_layer + vocab * h  # the LM head; the input embedding is a lookup
+    attention = 12 * layers * seq * heads * head_dim
+    return {
+        "matmul_params": matmul_params,
+        "dense": 6 * matmul_params,
+        "attention": attention,
+        "total": 6 * matmul_params + attention,
+        "total_causal": 6 * matmul_params + 12 * layers * heads * head_dim * (seq + 1) // 2,
+    }
+
+
+# -- one run, in its own process -------------------------------------------------------------------
+
+
+def build_model(spec: dict):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(spec["seed"])
+    config = LlamaConfig(**spec["architecture"], max_position_embeddings=spec["seq"], use_cache=False)
+    return LlamaForCausalLM(config)  # fp32 on the host, as fedtune.train loads it
+
+
+def batches(spec: dict):
+    """The run's micro batches, in order: (input_ids, labels) of micro x seq random tokens."""
+    import torch
+
+    generator = torch.Generator().manual_seed(spec["seed"] + 1)
+    shape = (spec["micro_batch"], spec["seq"])
+    rows = [torch.randint(spec["architecture"]["vocab_size"], shape, generator=generator) for _ in range(4)]
+    return [(ids, ids.clone()) for ids in rows]
+
+
+def peak_memory_mb(device) -> float:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def synchronize(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def fedtune_worker(spec: dict) -> dict:
+    import torch
+
+    from fedtune import backends, distributed, speed
+    from fedtune.train import check_options
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    job = distributed.start(spec["device"])
+    fast = spec["name"] == "fsdp_fast"
+    model = build_model(spec)
+    accumulation = spec["accumulation"]
+    options = check_options(
+        {
+            **RUNS[spec["name"]],
+            "precision": spec["precision"],
+            "device": spec["device"],
+            "micro_batch": spec["micro_batch"],
+            "global_batch": spec["micro_batch"] * accumulation,
+            "lr": spec["lr"],
+            "betas": [0.9, 0.95],
+            "weight_decay": 0.0,
+            "grad_clip": 1.0,
+            "gradient_checkpointing": bool(spec["checkpoint_every"]) and not fast,
+        },
+        source=f"gpu_training {spec['name']}",
+    )
+    if fast:
+        if spec["checkpoint_every"]:
+            speed.selective_checkpointing(model, every=spec["checkpoint_every"])
+        if spec["compile"]:
+            speed.compile_layers(model)
+    backend = backends.build(model, options, job, accumulation)
+    if fast:
+        # What backends.adamw would build with speed.adamw_implementation (the report names the line).
+        backend.optimizer = torch.optim.AdamW(
+            backend.model.parameters(), lr=spec["lr"], betas=(0.9, 0.95), weight_decay=0.0,
+            eps=backends.ADAM_EPS, **speed.adamw_implementation(job.device),
+        )  # fmt: skip
+    rows = batches(spec)
+    durations, losses = [], []
+    synchronize(job.device)
+    for step in range(spec["steps"]):
+        t0 = time.perf_counter()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=job.device)
+        for m in range(accumulation):
+            input_ids, labels = rows[(step * accumulation + m) % len(rows)]
+            if fast:
+                input_ids, labels = speed.pin_batch(job.device, input_ids, labels)
+            micro = backend.forward_backward(input_ids, labels, 1.0, last=m == accumulation - 1)
+            loss_sum += micro.double()
+        backend.step(spec["lr"])  # returns the gradient norm as a float: the step's one host sync
+        losses.append(float(loss_sum) / accumulation)
+        durations.append(time.perf_counter() - t0)
+    out = {"durations": durations, "losses": losses, "peak_mem_mb": peak_memory_mb(job.device)}
+    if fast:
+        out["compiled_layers"] = speed.compiled_layers(backend.model)
+    distributed.stop()
+    return out
+
+
+def trainer_worker(spec: dict) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    device = torch.device(spec["device"])
+    model = build_model(spec)
+    rows = batches(spec)
+    order = [rows[i % len(rows)] for i in range(spec["steps"] * spec["accumulation"])]
+    data = Dataset.from_dict(
+        {
+            "input_ids": [r.tolist() for ids, _ in order for r in ids],
+            "labels": [r.tolist() for _, labels in order for r in labels],
+        }
+    ).with_format("torch")
+
+    class StepTimes(TrainerCallback):
+        def __init__(self):
+            self.ends = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if not self.ends:
+                synchronize(device)
+                self.ends.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            synchronize(device)
+            self.ends.append(time.perf_counter())
+
+    class Sequential(Trainer):
+        """The rows in the order the fedtune runs see them (the Trainer shuffles by default)."""
+
+        def _get_train_sampler(self, *args, **kwargs):
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
+    times = StepTimes()
+    cuda = device.type == "cuda"
+    args = TrainingArguments(
+        output_dir=spec["scratch"],
+        use_cpu=not cuda,
+        bf16=spec["precision"] == "bf16",
+        per_device_train_batch_size=spec["micro_batch"],
+        gradient_accumulation_steps=spec["accumulation"],
+        gradient_checkpointing=bool(spec["checkpoint_every"]),
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        max_steps=spec["steps"],
+        learning_rate=spec["lr"],
+        lr_scheduler_type="constant",
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        adam_epsilon=1e-8,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        optim="adamw_torch_fused" if cuda else "adamw_torch",
+        dataloader_pin_memory=cuda,
+        seed=spec["seed"],
+        save_strategy="no",
+        logging_steps=1,
+        report_to="none",
+        disable_tqdm=True,
+    )
+    trainer = Sequential(model=model, args=args, train_dataset=data, callbacks=[times])
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    durations = [b - a for a, b in zip(times.ends[:-1], times.ends[1:], strict=True)]
+    return {"durations": durations, "losses": losses, "peak_mem_mb": peak_memory_mb(device)}
+
+
+def worker(spec: dict) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    out = trainer_worker(spec) if spec["name"] == "hf_trainer" else fedtune_worker(spec)
+    Path(spec["result"]).write_text(json.dumps(out))
+
+
+# -- the driver ------------------------------------------------------------------------------------
+
+
+def run_one(spec: dict, tmp: Path) -> dict:
+    spec = {**spec, "result": str(tmp / f"{spec['name']}.json"), "scratch": str(tmp / spec["name"])}
+    log = tmp / f"{spec['name']}.log"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    start = time.perf_counter()
+    with open(log, "w") as stream:
+        code = subprocess.run(
+            [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
+            cwd=ROOT, env=env, stdout=stream, stderr=subprocess.STDOUT,
+        ).returncode  # fmt: skip
+    wall = time.perf_counter() - start
+    if code != 0:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-40:])
+        raise RuntimeError(f"{spec['name']} exited {code}; the end of its log:\n{tail}")
+    out = json.loads(Path(spec["result"]).read_text())
+    out["wall_s"] = wall
+    return out
+
+
+def summarise(spec: dict, raw: dict, flops: dict, peak: float | None) -> dict:
+    measured = raw["durations"][spec["measure_after"] :]
+    tokens_per_step = spec["micro_batch"] * spec["accumulation"] * spec["seq"]
+    tokens_per_s = len(measured) * tokens_per_step / sum(measured)
+    row = {
+        "tokens_per_s": round(tokens_per_s, 1),
+        "median_step_s": round(statistics.median(measured), 4),
+        "mfu": None if peak is None else round(tokens_per_s * flops["total"] / (peak * 1e12), 4),
+        "mfu_causal": None
+        if peak is None
+        else round(tokens_per_s * flops["total_causal"] / (peak * 1e12), 4),
+        "peak_mem_mb": round(raw["peak_mem_mb"], 1),
+        "first_loss": round(raw["losses"][0], 6),
+        "final_loss": round(raw["losses"][-1], 6),
+        "steps": len(raw["durations"]),
+        "wall_s": round(raw["wall_s"], 1),
+    }
+    if "compiled_layers" in raw:
+        row["compiled_layers"] = raw["compiled_layers"]
+    return row
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        f"{report['device']}: {report['settings']['parameters'] / 1e9:.2f}B parameters, seq "
+        f"{report['settings']['seq']}, {report['settings']['precision']}, "
+        f"{report['settings']['tokens_per_step']} tokens per step",
+        "",
+        "| run | tokens/s | vs Trainer | MFU | MFU (causal) | peak memory MB | first loss | final loss |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, row in report["runs"].items():
+        ratio = report["ratio_to_hf_trainer"].get(name, 1.0 if name == "hf_trainer" else None)
+
+        def pct(v):
+            return "-" if v is None else f"{100 * v:.1f}%"
+
+        lines.append(
+            f"| {name} | {row['tokens_per_s']:,.0f} | {'-' if ratio is None else f'{ratio:.2f}'} | "
+            f"{pct(row['mfu'])} | {pct(row['mfu_causal'])} | {row['peak_mem_mb']:,.0f} | "
+            f"{row['first_loss']:.4f} | {row['final_loss']:.4f} |"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--smoke", action="store_true", help="tiny model, CPU, fp32, a few steps")
+    parser.add_argument("--runs", default="all", help=f"comma-separated subset of {','.join(RUNS)}")
+    parser.add_argument("--seq", type=int, help="sequence length (2048; smoke 64)")
+    parser.add_argument("--micro-batch", type=int, help="sequences per micro batch (4; smoke 2)")
+    parser.add_argument("--accumulation", type=int, default=2, help="micro batches per optimizer step")
+    parser.add_argument("--steps", type=int, help="optimizer steps per run (20; smoke 3)")
+    parser.add_argument("--measure-after", type=int, help="steps left out of tokens/s (5; smoke 1)")
+    parser.add_argument("--checkpoint-every", type=int, default=0,
+                        help="activation checkpointing: 0 off; N: fsdp_fast every N-th layer, others all")  # fmt: skip
+    parser.add_argument("--no-compile", action="store_true", help="fsdp_fast without torch.compile")
+    parser.add_argument("--peak-tflops", type=float, help="the device's peak, where PEAK_TFLOPS lacks it")
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--out", type=Path, help="also write the JSON report here")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker(json.loads(args.worker))
+        return 0
+    import torch
+
+    smoke = args.smoke
+    if not smoke and not torch.cuda.is_available():
+        sys.exit("gpu_training.py: no CUDA device; run it on a GPU machine, or use --smoke on CPU")
+    names = list(RUNS) if args.runs == "all" else args.runs.split(",")
+    unknown = sorted(set(names) - set(RUNS))
+    if unknown:
+        sys.exit(f"gpu_training.py: --runs: unknown {unknown}; choose from {list(RUNS)}")
+    architecture = ARCHITECTURES["smoke" if smoke else "1b"]
+    spec = {
+        "architecture": architecture,
+        "seq": args.seq or (64 if smoke else 2048),
+        "micro_batch": args.micro_batch or (2 if smoke else 4),
+        "accumulation": args.accumulation,
+        "steps": args.steps or (3 if smoke else 20),
+        "measure_after": args.measure_after if args.measure_after is not None else (1 if smoke else 5),
+        "precision": "fp32" if smoke else "bf16",
+        "device": "cpu" if smoke else "cuda",
+        "checkpoint_every": args.checkpoint_every,
+        # Compiling on CPU takes minutes and measures nothing the smoke test needs.
+        "compile": not (smoke or args.no_compile),
+        "lr": args.lr,
+        "seed": 1234,
+    }
+    if spec["steps"] <= spec["measure_after"]:
+        sys.exit("gpu_training.py: --steps must exceed --measure-after")
+    device_name = torch.cuda.get_device_name(0) if not smoke else "CPU (smoke)"
+    peak = args.peak_tflops or (None if smoke else peak_tflops(device_name))
+    flops = flops_per_token(architecture, spec["seq"])
+    build = build_model({**spec, "architecture": architecture})
+    parameters = sum(p.numel() for p in build.parameters())
+    del build
+    runs = {}
+    with tempfile.TemporaryDirectory(prefix="fedtune-gpu-bench-") as tmp:
+        for name in names:
+            print(f"[gpu benchmark] {name} ...", file=sys.stderr, flush=True)
+            runs[name] = summarise(spec, run_one({**spec, "name": name}, Path(tmp)), flops, peak)
+            print(f"[gpu benchmark] {name}: {json.dumps(runs[name])}", file=sys.stderr, flush=True)
+    ratios = {}
+    if "hf_trainer" in runs:
+        base = runs["hf_trainer"]["tokens_per_s"]
+        ratios = {n: round(r["tokens_per_s"] / base, 3) for n, r in runs.items() if n != "hf_trainer"}
+    report = {
+        "device": device_name,
+        "peak_tflops": peak,
+        "torch": torch.__version__,
+        "settings": {
+            **{k: v for k, v in spec.items() if k not in ("architecture",)},
+            "architecture": architecture,
+            "parameters": parameters,
+            "tokens_per_step": spec["micro_batch"] * spec["accumulation"] * spec["seq"],
+            "flops_per_token": flops,
+        },
+        "runs": runs,
+        "ratio_to_hf_trainer": ratios,
+    }
+    if "fsdp_fast" in runs and peak is not None:
+        report["goal_mfu_45"] = runs["fsdp_fast"]["mfu"] >= 0.45
+    if "fsdp_fast" in ratios:
+        report["goal_1_2x_trainer"] = ratios["fsdp_fast"] >= 1.2
+    text = json.dumps(report, indent=2)
+    if args.out:
+        args.out.write_text(text + "\n")
+    print(text)
+    print(markdown(report), file=sys.stderr)
+    return 0 if all(math.isfinite(r["final_loss"]) for r in runs.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

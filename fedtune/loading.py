@@ -1,0 +1,167 @@
+"""Starting weights loaded once, not once per rank: the model is built on the meta device (no memory),
+sharded by the backend, materialised shard by shard on its device, and filled from the safetensors files,
+which only rank 0 reads, one tensor at a time, broadcasting it to the ranks that hold a part of it
+(`set_model_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)`, as torchtune does).
+
+    backend = load_backend(init, options, job, accumulation, task=..., allow_pickle=...)
+
+Host memory of a node while loading: each rank's shards (one fp32 copy of the model over the node's
+ranks on CPU; nothing on the host with GPUs) plus one tensor, instead of every rank's whole fp32
+model. Reading on global rank 0 rather than on each node's local rank 0 is what broadcast_from_rank0
+offers, and it is less host memory still (ranks on other nodes receive their parts over the network).
+
+Modes that keep a whole replica per rank anyway (sharding none, DeepSpeed ZeRO-0/1/2) and folders with
+only pickle weights take the per-rank path (`load_model` + `backends.build`), as does FEDTUNE_LOADING=
+per-rank (benchmarks/loading_memory.py measures both)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from fedtune.config import TrainOptions
+from fedtune.safetensors_stream import ST_DTYPES, read_header
+
+LOADING_ENV = "FEDTUNE_LOADING"
+META_SHARDINGS = ("full", "hybrid", "hybrid_zero2")
+
+
+def loads_once(options: TrainOptions, model_dir: Path, allow_pickle: bool) -> bool:
+    """Whether `load_backend` takes the meta-device path for these options and this folder."""
+    from fedtune.models import weight_files
+
+    if os.environ.get(LOADING_ENV) == "per-rank":
+        return False
+    if not weight_files(model_dir):
+        return False  # pickle weights only (allow_pickle): from_pretrained reads them
+    return options.fsdp and options.sharding in META_SHARDINGS
+
+
+def load_backend(
+    model_dir, options: TrainOptions, job, accumulation: int, *, task: str, allow_pickle: bool = False
+):
+    """The backend of fedtune.backends, holding the starting weights of `model_dir` in fp32."""
+    model_dir = Path(model_dir)
+    # Both paths leave the random generators as they found them: the first steps (dropout) then do not
+    # depend on how the weights were loaded.
+    rng = torch.get_rng_state()
+    try:
+        return _load_backend(model_dir, options, job, accumulation, task=task, allow_pickle=allow_pickle)
+    finally:
+        torch.set_rng_state(rng)
+
+
+def _load_backend(
+    model_dir: Path, options: TrainOptions, job, accumulation: int, *, task: str, allow_pickle: bool
+):
+    from fedtune import backends
+    from fedtune.models import load_model
+
+    if not loads_once(options, model_dir, allow_pickle):
+        # One process per node hashes the starting weights; the others would only read them again.
+        model = load_model(
+            model_dir, task=task, dtype="float32", allow_pickle=allow_pickle, verify=job.local_rank == 0
+        )
+        model.config.use_cache = False
+        return backends.build(model, options, job, accumulation)
+
+    model = empty_model(model_dir, task=task, verify=job.local_rank == 0)
+    buffers = {name: value.clone() for name, value in model.named_buffers()}
+    backend = backends.build(model, options, job, accumulation)
+    backend.model.to_empty(device=job.device)
+    # Buffers are not in the checkpoint when they are computed (rotary frequencies): restore them.
+    for name, value in buffers.items():
+        backend.model.get_buffer(name).copy_(value)
+    fill_from_rank0(backend.model, model_dir, job)
+    # The optimizer (and FedProx's start weights) were made from the meta parameters: make them again.
+    backend.weights_loaded(options)
+    return backend
+
+
+def empty_model(model_dir: Path, *, task: str, verify: bool):
+    """The model of `model_dir` with its parameters on the meta device and its buffers on the CPU."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig
+
+    from fedtune.models import ModelError, auto_class, check_model_dir, model_task, verify_checksums
+
+    check_model_dir(model_dir)
+    saved = model_task(model_dir)
+    if saved != task:
+        raise ModelError(
+            f"{model_dir}: a {saved} model (config.json architectures), but the task is {task}; "
+            "the base model is made for the configured task by the download stage: rerun it"
+        )
+    if verify:
+        verify_checksums(model_dir)
+    config = AutoConfig.from_pretrained(model_dir)
+    config.use_cache = False
+    with init_empty_weights(include_buffers=False):
+        model = auto_class(task).from_config(config, dtype=torch.float32)
+    return model
+
+
+def tensor_index(model_dir: Path) -> dict[str, tuple[Path, int, str, list[int], int]]:
+    """Every tensor of the folder's safetensors files: name -> (file, byte offset, dtype, shape, bytes)."""
+    from fedtune.models import weight_files
+
+    index = {}
+    for path in weight_files(model_dir):
+        header = read_header(path)
+        start = header.pop("_data_start")
+        for name, info in header.items():
+            begin, end = info["data_offsets"]
+            index[name] = (path, start + begin, info["dtype"], info["shape"], end - begin)
+    return index
+
+
+def read_tensor(entry) -> torch.Tensor:
+    """One tensor read with plain file reads: private memory for this tensor only, no memory map
+    whose pages would stay resident in this process."""
+    path, offset, dtype, shape, nbytes = entry
+    data = torch.empty(nbytes, dtype=torch.uint8)
+    with open(path, "rb") as stream:
+        stream.seek(offset)
+        if stream.readinto(memoryview(data.numpy())) != nbytes:
+            raise OSError(f"{path}: truncated tensor data")
+    return data.view(ST_DTYPES[dtype]).reshape(shape)
+
+
+def fill_from_rank0(model, model_dir: Path, job) -> None:
+    """Copy the folder's weights into the sharded, materialised `model`: rank 0 reads one tensor at a
+    time and broadcasts it; every rank keeps its part (collective). One tensor, not one layer: a
+    layer is 3% of Llama-2-7B but a sixth of a 6-layer test model, and the calls are cheap."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from fedtune.models import ModelError
+
+    expected = set(model.state_dict())
+    plan = None
+    if job.rank == 0:
+        index = tensor_index(model_dir)
+        tied = _tied_names(model)
+        missing = sorted(expected - set(index) - tied)
+        plan = {"missing": missing, "names": [name for name in index if name in expected]}
+    shared = [plan]
+    dist.broadcast_object_list(shared, src=0)
+    plan = shared[0]
+    if plan["missing"]:
+        raise ModelError(f"{model_dir}: the weights lack {', '.join(plan['missing'][:5])}")
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    for name in plan["names"]:
+        # Cast on rank 0 before the broadcast: the receivers allocate what rank 0 announces.
+        part = {name: _as_fp32(read_tensor(index[name]))} if job.rank == 0 else {}
+        set_model_state_dict(model, part, options=options)
+
+
+def _as_fp32(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to(torch.float32) if tensor.is_floating_point() else tensor
+
+
+def _tied_names(model) -> set[str]:
+    """Names of parameters that share storage with an earlier one (a tied head), absent from files."""
+    keys = getattr(model, "_tied_weights_keys", None) or {}
+    return set(keys) if isinstance(keys, dict) else set(keys)
