@@ -24,7 +24,8 @@ def test_demo_config_is_valid_and_defaults_are_filled():
     assert config["tokenize"]["add_bos"] is True
     assert config["sites"]["alpha"]["dataset"]["max_documents"] is None
     assert config["aggregate"]["weights"] == "tokens"
-    assert config["federation"]["rounds"] == 1
+    assert config["federation"]["rounds"] == 6 and config["federation"]["lr_schedule"] == "continue"
+    assert config["aggregate"]["server_optimizer"]["betas"] == [0.9, 0.99]  # a default inside a section
     assert config["model"]["trust_remote_code"] is False
     # Defaults reach into the section schemas that live in their own files.
     assert config["train"]["backend"] == "fsdp"
@@ -209,5 +210,8 @@ def test_run_config_hands_out_each_sites_merged_options():
     config["sites"]["beta"]["train"] = {"lr": 0.01}
     run = build_run_config(config, base_dir=ROOT)
     assert run.sites["beta"].train.lr == 0.01 and run.sites["alpha"].train.lr == config["train"]["lr"]
-    assert run.run_dir == Path(config["results"]) / config["run"] and run.rounds == 1
+    assert (
+        run.run_dir == Path(config["results"]) / config["run"]
+        and run.rounds == config["federation"]["rounds"]
+    )
     assert run.evaluate.max_length == config["evaluate"]["max_length"]

@@ -3,9 +3,11 @@ deleted shard that reruns only itself and what depends on it."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
-from .workflow_harness import demo_config, job_counts, snakemake, write_config
+from .workflow_harness import demo_config, dry_run, job_counts, snakemake, write_config
 
 MANIFESTS = [
     f"results/demo/data/{site}/{split}/shard-{k}"
@@ -83,20 +85,14 @@ def test_config_error_stops_before_any_job(tmp_path):
 
 def test_two_rounds_unroll_in_the_dag(tmp_path):
     config = demo_config()
-    config["federation"]["rounds"] = 2
+    config["federation"] = {"rounds": 2}
+    config["evaluate"]["intermediate"] = "all"
     write_config(tmp_path, config)
-    result = snakemake(tmp_path, "-n")
-    counts = job_counts(result.stdout)
+    jobs = dry_run(tmp_path)
+    counts = Counter(job.name for job in jobs)
     assert counts["train"] == 4 and counts["aggregate"] == 2 and counts["report"] == 1
     assert counts["evaluate_base"] == 2
     assert counts["evaluate_round"] == 2 * 3 * 2  # rounds x (2 site models + aggregate) x 2 test sets
     # Round 2 starts from round 1's aggregate, round 1 from the base model.
-    jobs = result.stdout.split("\n\n")
-    train_inputs = {
-        line.split("input: ")[1].split(",")[0]
-        for job in jobs
-        if "rule train:" in job
-        for line in job.splitlines()
-        if line.strip().startswith("input:")
-    }
+    train_inputs = {job.shell.split("--init ")[1].split()[0] for job in jobs if job.name == "train"}
     assert train_inputs == {"results/demo/model/base", "results/demo/round-1/aggregate/model"}
