@@ -85,17 +85,9 @@ def empty_model(model_dir: Path, *, task: str, verify: bool):
     from accelerate import init_empty_weights
     from transformers import AutoConfig
 
-    from fedtune.models import ModelError, auto_class, check_model_dir, model_task, verify_checksums
+    from fedtune.models import auto_class, check_loadable
 
-    check_model_dir(model_dir)
-    saved = model_task(model_dir)
-    if saved != task:
-        raise ModelError(
-            f"{model_dir}: a {saved} model (config.json architectures), but the task is {task}; "
-            "the base model is made for the configured task by the download stage: rerun it"
-        )
-    if verify:
-        verify_checksums(model_dir)
+    check_loadable(model_dir, task=task, verify=verify)
     config = AutoConfig.from_pretrained(model_dir)
     config.use_cache = False
     with init_empty_weights(include_buffers=False):

@@ -189,6 +189,20 @@ def model_task(model_dir: str | Path) -> str:
     )
 
 
+def check_loadable(model_dir: str | Path, *, task: str, allow_pickle: bool = False, verify: bool = True):
+    """A saved model folder fit to load for `task`: weights present (safetensors unless pickle is
+    allowed), made for this task, and (with `verify`) the weights' sizes and checksums as recorded."""
+    check_model_dir(model_dir, allow_pickle=allow_pickle)
+    saved = model_task(model_dir)
+    if saved != task:
+        raise ModelError(
+            f"{model_dir}: a {saved} model (config.json architectures), but the task is {task}; "
+            "the base model is made for the configured task by the download stage: rerun it"
+        )
+    if verify:
+        verify_checksums(model_dir)
+
+
 def load_model(
     model_dir: str | Path,
     *,
@@ -204,15 +218,7 @@ def load_model(
     own) has already verified. A folder saved for the other task is refused: loading a classifier as
     a language model (or the reverse) would silently drop or invent a head."""
     if Path(model_dir).exists():
-        check_model_dir(model_dir, allow_pickle=allow_pickle)
-        saved = model_task(model_dir)
-        if saved != task:
-            raise ModelError(
-                f"{model_dir}: a {saved} model (config.json architectures), but the task is {task}; "
-                "the base model is made for the configured task by the download stage: rerun it"
-            )
-        if verify:
-            verify_checksums(model_dir)
+        check_loadable(model_dir, task=task, allow_pickle=allow_pickle, verify=verify)
     kwargs = {"dtype": torch_dtype(dtype)} if dtype else {}
     return auto_class(task).from_pretrained(
         model_dir,
