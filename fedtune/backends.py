@@ -204,6 +204,16 @@ class _TorchBackend:
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder / "fsdp"))
 
+    def save_async(self, folder: Path, process_group):
+        """As `save`, with the writing in the background on `process_group`: returns the writer's
+        future (fedtune.checkpoint keeps at most one in flight)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        return dcp.async_save(state, checkpoint_id=str(folder / "fsdp"), process_group=process_group)
+
     def load(self, folder: Path) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict

@@ -93,9 +93,8 @@ _async_group = None
 
 
 def _writes_async(backend) -> bool:
-    return (
-        os.environ.get(CHECKPOINT_ENV) != "sync" and backend.name == "fsdp" and hasattr(backend, "optimizer")
-    )
+    # Backends whose state goes through torch.distributed.checkpoint (FSDP2, DDP) can write it behind.
+    return os.environ.get(CHECKPOINT_ENV) != "sync" and hasattr(backend, "save_async")
 
 
 def _gloo_group():
@@ -122,15 +121,7 @@ def save(root: Path, step: int, backend, trainer: dict, loss_log: str, job, keep
     distributed.barrier()
     future = None
     if _writes_async(backend):
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model_state, optim_state = get_state_dict(backend.model, backend.optimizer)
-        future = dcp.async_save(
-            {"model": model_state, "optim": optim_state},
-            checkpoint_id=str(tmp / "fsdp"),
-            process_group=_gloo_group(),
-        )
+        future = backend.save_async(tmp, _gloo_group())
     else:
         backend.save(tmp)
     torch.save(rng_state(), tmp / "rng" / f"rank-{job.rank}.pt")
