@@ -67,7 +67,11 @@ def test_every_stage_left_its_outputs(demo):
     for site in ("alpha", "beta"):
         model = run / LAST / site / "model"
         training = json.loads((model / "training.json").read_text())
-        assert training["site"] == site and training["steps"] == STEPS and training["world_size"] == 2
+        assert (
+            training["site"] == site
+            and training["steps"] == STEPS
+            and training["world_size"] == CONFIG["train"]["processes_per_node"]
+        )
         assert (training["round"], training["first_step"]) == (ROUNDS, (ROUNDS - 1) * STEPS)
         assert (model / "loss.csv").read_text().startswith("step,")
         assert (model / "model.safetensors").is_file()

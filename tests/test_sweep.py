@@ -24,8 +24,15 @@ from .workflow_harness import ROOT, demo_config, job_counts, planned_jobs, snake
 OPT_EXAMPLE = ROOT / "config" / "examples" / "opt125m-yelp.yaml"
 
 
-def demo_with_sweep(sweep: dict, **train) -> dict:
+def two_process_demo() -> dict:
+    """The demo with sites of two CPU processes, the node size these sweeps are laid out against."""
     config = demo_config()
+    config["train"]["processes_per_node"] = 2
+    return config
+
+
+def demo_with_sweep(sweep: dict, **train) -> dict:
+    config = two_process_demo()
     config["train"].update(train)
     config["sweep"] = sweep
     return check_config(config)
@@ -72,7 +79,7 @@ def test_devices_on_a_cpu_site_are_processes_and_ask_for_no_gpus():
 
 
 def test_a_train_key_axis_sets_that_key_over_the_swept_sites_overrides():
-    config = demo_config()
+    config = two_process_demo()
     config["sites"]["beta"]["train"] = {"lr": 0.01, "global_batch": 32}
     config["sweep"] = {"site": "beta", "axis": "micro_batch", "values": [4, 8, 16]}
     expanded = points(check_config(config))
@@ -143,7 +150,7 @@ BAD_SWEEPS = [
 
 @pytest.mark.parametrize(("sweep", "train", "message"), BAD_SWEEPS)
 def test_a_bad_sweep_is_refused_when_the_config_loads_naming_the_key(sweep, train, message):
-    config = demo_config()
+    config = two_process_demo()
     config["train"].update(train)
     if train.get("offload_params"):
         config["train"].update(backend="deepspeed", zero_stage=3)
@@ -390,7 +397,7 @@ def test_iris_example_plans_one_train_sweep_job_per_gpu_count(tmp_path, monkeypa
 def test_sweep_over_one_and_two_cpu_processes_gives_the_same_loss_per_epoch(tmp_path):
     """The demo's site alpha on 100 documents (about 60 blocks: 3 steps of 16 per epoch), 2 epochs, on 1
     and 2 processes. Only download, tokenize and the sweep's jobs run for the sweep report."""
-    config = demo_config()
+    config = two_process_demo()
     del config["sites"]["beta"]
     config["sites"]["alpha"]["dataset"]["max_documents"] = 100
     config["tokenize"]["shards"] = 1
