@@ -167,7 +167,7 @@ def fedtune_worker(spec: dict) -> dict:
     import torch
 
     from fedtune import backends, distributed, speed
-    from fedtune.train import check_options
+    from fedtune.config import TrainOptions
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -178,9 +178,11 @@ def fedtune_worker(spec: dict) -> dict:
     fast = spec["name"] == "fsdp_fast"
     model = build_model(spec)
     accumulation = spec["accumulation"]
-    options = check_options(
+    options = TrainOptions.from_mapping(
         {
             **RUNS[spec["name"]],
+            "nodes": 1,
+            "processes_per_node": 1,
             "precision": spec["precision"],
             "device": spec["device"],
             "micro_batch": spec["micro_batch"],

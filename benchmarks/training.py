@@ -157,9 +157,10 @@ def prepare(args, tmp: Path) -> tuple[Path, Path, dict]:
 
 
 def run_fedtune(args, name: str, extra: dict, model_dir: Path, manifest: Path, tmp: Path) -> dict:
-    from fedtune.train import check_options
+    from fedtune.config import TrainOptions
 
-    options = check_options(train_options(args, extra))
+    # The train section as the train CLI reads it (checked, defaults filled), as a plain dict here.
+    options = TrainOptions.from_mapping(train_options(args, extra)).to_dict()
     run_dir = tmp / "runs" / name
     command = [
         str(LAUNCH), "--procs-per-node", str(args.procs), "--",
@@ -371,12 +372,14 @@ def run_checkpoint_blocking(args, model_dir: Path, manifest: Path, tmp: Path) ->
     """fsdp full with a checkpoint every --checkpoint-every steps, written synchronously and then
     asynchronously. The run's last checkpoint is waited for in both (nothing may be in flight at the
     end), so the comparison is over the others."""
-    from fedtune.train import check_options
+    from fedtune.config import TrainOptions
 
     out = {}
     for mode in ("sync", "async"):
         extra = {"backend": "fsdp", "sharding": "full"}
-        options = check_options(train_options(args, extra) | {"checkpoint_every": args.checkpoint_every})
+        options = TrainOptions.from_mapping(
+            train_options(args, extra) | {"checkpoint_every": args.checkpoint_every}
+        ).to_dict()
         run_dir = tmp / "runs" / f"checkpoint-{mode}"
         command = [
             str(LAUNCH), "--procs-per-node", str(args.procs), "--",

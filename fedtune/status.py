@@ -35,18 +35,28 @@ class RunLayout:
     rounds: int
     sites: tuple[str, ...]
     report_table: str = "perplexity.csv"  # the report's main table, written last
+    merged: tuple[str, ...] = ("aggregate",)  # the aggregate and the methods of aggregate.compare
+    intermediate: str = "all"  # evaluate.intermediate: which models of the rounds before the last
+
+    def evaluated(self, round: int) -> tuple[str, ...]:
+        """The models the workflow evaluates after `round` (as common.smk's round_models)."""
+        if round == self.rounds or self.intermediate == "all":
+            return (*self.sites, *self.merged)
+        return self.merged if self.intermediate == "aggregate" else ()
 
 
 def layout_from_config(path: str | Path) -> RunLayout:
     """The run folder, rounds and sites of a config, with the schema's defaults applied."""
-    from fedtune.config import load_config
+    from fedtune.config import load_run_config
 
-    config = load_config(path)
+    run = load_run_config(path)
     return RunLayout(
-        run_dir=Path(config["results"]) / config["run"],
-        rounds=config["federation"]["rounds"],
-        sites=tuple(config["sites"]),
-        report_table="accuracy.csv" if config["task"] == "sequence-classification" else "perplexity.csv",
+        run_dir=run.run_dir,
+        rounds=run.rounds,
+        sites=tuple(run.sites),
+        report_table="accuracy.csv" if run.classification else "perplexity.csv",
+        merged=("aggregate", *run.aggregate["compare"]),
+        intermediate=run.evaluate.intermediate,
     )
 
 
@@ -131,10 +141,11 @@ def site_status(run_dir: Path, round: int, site: str) -> SiteStatus:
     return status
 
 
-def round_stages(run_dir: Path, round: int, sites: tuple[str, ...]) -> dict:
+def round_stages(layout: RunLayout, round: int) -> dict:
     """Whether the round's aggregate exists and how many of its evaluations are written."""
+    run_dir, sites = layout.run_dir, layout.sites
     evals = [
-        run_dir / f"round-{round}" / "eval" / m / f"{s}.json" for m in (*sites, "aggregate") for s in sites
+        run_dir / f"round-{round}" / "eval" / m / f"{s}.json" for m in layout.evaluated(round) for s in sites
     ]
     return {
         "round": round,
@@ -152,7 +163,7 @@ def collect(layout: RunLayout) -> dict:
             for r in range(1, layout.rounds + 1)
             for s in layout.sites
         ],
-        "rounds": [round_stages(layout.run_dir, r, layout.sites) for r in range(1, layout.rounds + 1)],
+        "rounds": [round_stages(layout, r) for r in range(1, layout.rounds + 1)],
         "report": (layout.run_dir / "report" / layout.report_table).is_file(),
     }
 

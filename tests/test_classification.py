@@ -222,7 +222,9 @@ def test_tokenize_refuses_labels_outside_the_models_classes(classifier_dir, tmp_
     DatasetDict({"train": Dataset.from_dict({"text": ["a", "b"], "label": [0, 5]})}).save_to_disk(
         tmp_path / "raw"
     )
-    with pytest.raises(TokenizeError, match=r"values in 0..5; the model has 3 classes"):
+    with pytest.raises(
+        TokenizeError, match=r"--label-field: .* row 1 has label 5, outside 0..2 \(the model has 3 classes\)"
+    ):
         tokenize_shard(tmp_path / "raw", "train", 0, 1, classifier_dir, tmp_path / "s", task=CLASSIFICATION)
     assert not (tmp_path / "s").exists()
 

@@ -91,12 +91,21 @@ def test_status_summarises_the_finished_run(demo):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     status = json.loads(result.stdout)
+    assert {(site["round"], site["site"]) for site in status["sites"]} == {
+        (r, s) for r in range(1, ROUNDS + 1) for s in ("alpha", "beta")
+    }
     for site in status["sites"]:
-        training = json.loads((run / LAST / site["site"] / "model" / "training.json").read_text())
+        training = json.loads(
+            (run / f"round-{site['round']}" / site["site"] / "model" / "training.json").read_text()
+        )
         assert (site["state"], site["step"], site["total_steps"]) == ("done", STEPS, STEPS)
         assert site["loss"] == training["final_loss"] and site["elapsed_s"] == training["wall_time_s"]
-    last = status["rounds"][-1]
-    assert last == {"round": ROUNDS, "aggregate": True, "evaluations": 6, "evaluations_expected": 6}
+    # Before the last round only the merged model is evaluated (evaluate.intermediate: aggregate).
+    expected = [2] * (ROUNDS - 1) + [6]
+    assert [r["evaluations_expected"] for r in status["rounds"]] == expected
+    assert [r["evaluations"] for r in status["rounds"]] == expected and all(
+        r["aggregate"] for r in status["rounds"]
+    )
     assert status["report"] is True
 
 
@@ -129,7 +138,12 @@ def test_the_html_report_shows_tables_figures_and_settings_in_a_browser(demo, tm
         )
 
     # The perplexity table: the page shows it in a frame whose cells hold the CSV's values.
-    assert set(shown["perplexity.html"]["categories"]) == {"Perplexity", "Training", "Settings"}
+    assert set(shown["perplexity.html"]["categories"]) == {
+        "Perplexity",
+        "Training",
+        "Settings",
+        "Federation gap",
+    }
     assert (
         "Perplexity (exp of the mean negative log-likelihood" in shown["perplexity.html"]["info"]
     )  # caption

@@ -30,6 +30,7 @@ STEPS = ["micro_batch", "global_batch", "max_steps", "warmup_steps", "checkpoint
 ALLOWED = [
     "run",
     "cluster",
+    "sites.*.cluster",
     "model.name",
     "model.architecture.*",
     "model.tokenizer.vocab_size",

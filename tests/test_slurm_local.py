@@ -253,9 +253,12 @@ def test_time_limit_checkpoints_exits_75_and_resumes_in_a_new_job(demo_run, slur
         runs[name] = workdir
     targets = [f"results/demo/round-1/{site}/model" for site in sites]
     workdir = runs["limited"]
+    # Slurm keeps time limits in whole minutes: a limit cut to 65 s from now leaves 65 to 125 s. The
+    # launcher signals 130 s before the end, so the signal follows the cut (not the job's first
+    # minutes, whose limit is 10 minutes) within a poll, however fast this machine trains.
     limited = _popen_snakemake(
         workdir, *targets, "--retries", "2", "--allowed-rules", "train", profile="slurm-local",
-        FEDTUNE_SIGNAL_POLL="5",
+        FEDTUNE_SIGNAL_POLL="5", FEDTUNE_SIGNAL_BEFORE="130",
     )  # fmt: skip
     local = _popen_snakemake(runs["reference"], *targets, "--allowed-rules", "train", profile="local")
     first_jobs, first_logs, deadline = {}, {}, time.monotonic() + 600

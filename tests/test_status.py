@@ -37,6 +37,7 @@ def write_checkpoint(root, step, total, wall):
 def run(tmp_path):
     results = tmp_path / "results"
     config = demo_config(results=str(results), federation={"rounds": 2})
+    config["evaluate"]["intermediate"] = "all"  # every model of every round: 6 evaluations a round
     config_file = write_config(tmp_path, config)
     run = results / "demo"
     # round 1, alpha: finished (model folder written, checkpoints removed)

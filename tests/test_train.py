@@ -200,6 +200,7 @@ def test_launch_sources_the_cluster_file(tmp_path):
 def test_train_rule_resources_follow_the_launcher(tmp_path):
     """Dry run: a Slurm site gets nodes/tasks/gres and mpi=srun; a local site gets no mpi resource."""
     config = demo_config(results=str(tmp_path / "results"))
+    config["train"]["processes_per_node"] = 2  # gamma's, from the train section
     config["sites"]["alpha"]["train"] = {
         "launcher": "srun",
         "nodes": 2,

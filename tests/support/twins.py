@@ -449,6 +449,7 @@ def build_model(name: str, texts: list[str], out: Path) -> Path:
 RESIZED = {
     "run": "its own results folder, apart from a real run's",
     "cluster": "null: every site trains on this machine",
+    "sites.*.cluster": "local: no cluster's environment file (scratch paths, accounts, modules) on this machine",
     "model.name": "a tiny local model of the same class and tokenizer kind",
     "model.architecture.*": "tiny sizes",
     "model.tokenizer.vocab_size": "a small vocabulary for a small corpus",
@@ -553,6 +554,7 @@ def twin_config(example: dict, assets: Path, *, source: str) -> dict:
     else:
         raise ConfigError(f"{source}: model.source: local: a twin replaces hub models only")
     for name, site in twin["sites"].items():
+        site["cluster"] = "local"
         dataset = site["dataset"]
         if dataset["source"] != "hf" or dataset["name"] not in DATASETS:
             raise ConfigError(
