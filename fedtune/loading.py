@@ -36,7 +36,18 @@ def loads_once(options: TrainOptions, model_dir: Path, allow_pickle: bool) -> bo
         return False
     if not weight_files(model_dir):
         return False  # pickle weights only (allow_pickle): from_pretrained reads them
+    if ties_embeddings(model_dir):
+        # A tied output layer (GPT-2) is one tensor under two names; materialised from the meta device
+        # they come apart, and the head would keep uninitialised memory.
+        return False
     return options.fsdp and options.sharding in META_SHARDINGS
+
+
+def ties_embeddings(model_dir: Path) -> bool:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    return bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
 
 
 def load_backend(

@@ -163,7 +163,11 @@ def test_the_html_report_shows_tables_figures_and_settings_in_a_browser(demo, tm
 
     # Training and settings tables, with their captions.
     rows = rendered("training.html")
-    assert rows[0][:3] == ["round", "site", "steps"] and {r[1] for r in rows[1:]} == {"alpha", "beta"}
+    assert rows[0][:3] == ["round", "site", "steps"] and {r[1] for r in rows[1:]} == {
+        "alpha",
+        "beta",
+        "pooled",
+    }
     assert all(r[2] == str(STEPS) for r in rows[1 : 1 + 2 * ROUNDS])
     assert "The run's settings as Snakemake applied them" in shown["settings.html"]["info"]
     settings = dict(map(tuple, rendered("settings.html")[1:]))
