@@ -54,7 +54,10 @@ def config_for(name: str, variant: dict, out: Path, steps: int, pooled: bool) ->
     config["run"] = name
     config["results"] = str(out / "results")
     config["train"]["max_steps"] = steps
-    config["train"].update(variant.get("train", {}))
+    # Per site, not in the train section: the pooled model trains with the plain train section (a
+    # variant's FedProx term would otherwise pull the pooled model towards the base model too).
+    for site in config["sites"].values():
+        site["train"] = dict(variant.get("train", {}))
     config["federation"] = {**variant["federation"], "pooled_baseline": pooled}
     config["aggregate"] = copy.deepcopy(variant.get("aggregate", {}))
     config["train"]["processes_per_node"] = 1
