@@ -156,18 +156,23 @@ def prepare(args, tmp: Path) -> tuple[Path, Path, dict]:
 # -- fedtune ---------------------------------------------------------------------------------------
 
 
+def train_command(args, options: dict, model_dir: Path, manifest: Path, run_dir: Path) -> list[str]:
+    """scripts/launch running the train CLI on the benchmark's site, into run_dir."""
+    return [
+        str(LAUNCH), "--procs-per-node", str(args.procs), "--",
+        "python", "-m", "fedtune.train", "--site", SITE, "--init", str(model_dir),
+        "--manifest", str(manifest), "--options", json.dumps(options), "--dtype", "float32",
+        "--checkpoints", str(run_dir / "checkpoints"), "--out", str(run_dir / "model"),
+    ]  # fmt: skip
+
+
 def run_fedtune(args, name: str, extra: dict, model_dir: Path, manifest: Path, tmp: Path) -> dict:
     from fedtune.config import TrainOptions
 
     # The train section as the train CLI reads it (checked, defaults filled), as a plain dict here.
     options = TrainOptions.from_mapping(train_options(args, extra)).to_dict()
     run_dir = tmp / "runs" / name
-    command = [
-        str(LAUNCH), "--procs-per-node", str(args.procs), "--",
-        "python", "-m", "fedtune.train", "--site", SITE, "--init", str(model_dir),
-        "--manifest", str(manifest), "--options", json.dumps(options), "--dtype", "float32",
-        "--checkpoints", str(run_dir / "checkpoints"), "--out", str(run_dir / "model"),
-    ]  # fmt: skip
+    command = train_command(args, options, model_dir, manifest, run_dir)
     wall = launch(command, tmp, run_dir / "train.log")
     tokens_per_step = args.global_batch * args.block_size
     rows = (run_dir / "model" / "loss.csv").read_text().splitlines()[1:]
@@ -381,12 +386,7 @@ def run_checkpoint_blocking(args, model_dir: Path, manifest: Path, tmp: Path) ->
             train_options(args, extra) | {"checkpoint_every": args.checkpoint_every}
         ).to_dict()
         run_dir = tmp / "runs" / f"checkpoint-{mode}"
-        command = [
-            str(LAUNCH), "--procs-per-node", str(args.procs), "--",
-            "python", "-m", "fedtune.train", "--site", SITE, "--init", str(model_dir),
-            "--manifest", str(manifest), "--options", json.dumps(options), "--dtype", "float32",
-            "--checkpoints", str(run_dir / "checkpoints"), "--out", str(run_dir / "model"),
-        ]  # fmt: skip
+        command = train_command(args, options, model_dir, manifest, run_dir)
         wall = launch(command, tmp, run_dir / "train.log", env={"FEDTUNE_CHECKPOINT": mode})
         blocked = blocking_per_checkpoint((run_dir / "train.log").read_text())
         last = max(blocked)
