@@ -558,17 +558,17 @@ def aggregate_adapters(
         raise AdapterAggregateError(f"--dtype: {dtype!r} is not one of {', '.join(OUTPUT_DTYPES)}")
     if merged_out is not None and merge_into is None:
         raise AdapterAggregateError("--merged-output needs --merge-into (the base model to merge into)")
-    pairs = dict(adapters) if isinstance(adapters, Mapping) else {str(p): p for p in adapters}
+    pairs = list(adapters.items()) if isinstance(adapters, Mapping) else [(str(p), p) for p in adapters]
     if not pairs:
         raise AdapterAggregateError("no adapters given (--adapters DIR ...)")
     seen: dict[Path, str] = {}
-    for site, path in pairs.items():
+    for site, path in pairs:
         real = Path(path).resolve()
         if real in seen:
             raise AdapterAggregateError(f"{seen[real]} and {site} are the same adapter folder {path}")
         seen[real] = site
     shard_limit = parse_size(max_shard_size)
-    loaded = [read_adapter(site, path) for site, path in pairs.items()]
+    loaded = [read_adapter(site, path) for site, path in pairs]
     source, raw = resolve_weights(weights, loaded)
     total = sum(raw.values())
     normalised = {site: w / total for site, w in raw.items()}
