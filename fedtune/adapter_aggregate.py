@@ -165,18 +165,23 @@ def read_adapter(site: str, path: str | Path) -> Adapter:
     rank_pattern = config.get("rank_pattern") or {}
     alpha_pattern = config.get("alpha_pattern") or {}
 
-    header = read_header(weights_path)
-    start = header.pop("_data_start")
-    tensors: dict[str, TensorInfo] = {}
-    for key, meta in header.items():
-        if meta["dtype"] not in ST_DTYPES or not ST_DTYPES[meta["dtype"]].is_floating_point:
-            raise AdapterAggregateError(
-                f"{weights_path}: tensor {key} has dtype {meta['dtype']}, not a float"
+    try:
+        header = read_header(weights_path)
+        start = header.pop("_data_start")
+        tensors: dict[str, TensorInfo] = {}
+        for key, meta in header.items():
+            begin, end = meta["data_offsets"]
+            tensors[key] = TensorInfo(
+                meta["dtype"], tuple(meta["shape"]), ADAPTER_WEIGHTS, start + begin, end - begin
             )
-        begin, end = meta["data_offsets"]
-        tensors[key] = TensorInfo(
-            meta["dtype"], tuple(meta["shape"]), ADAPTER_WEIGHTS, start + begin, end - begin
-        )
+    except (ValueError, KeyError, TypeError) as e:
+        # JSON errors are ValueErrors; a header of the wrong shape fails on its keys.
+        raise AdapterAggregateError(
+            f"{weights_path}: not a safetensors file ({type(e).__name__}: {e})"
+        ) from None
+    for key, info in tensors.items():
+        if info.dtype not in ST_DTYPES or not ST_DTYPES[info.dtype].is_floating_point:
+            raise AdapterAggregateError(f"{weights_path}: tensor {key} has dtype {info.dtype}, not a float")
     if not tensors:
         raise AdapterAggregateError(f"{weights_path}: holds no tensors")
 
@@ -558,6 +563,8 @@ def aggregate_adapters(
         raise AdapterAggregateError(f"--dtype: {dtype!r} is not one of {', '.join(OUTPUT_DTYPES)}")
     if merged_out is not None and merge_into is None:
         raise AdapterAggregateError("--merged-output needs --merge-into (the base model to merge into)")
+    if merged_out is not None and Path(merged_out).resolve() == Path(out_dir).resolve():
+        raise AdapterAggregateError(f"--merged-output {merged_out} is the adapter's --output folder")
     pairs = list(adapters.items()) if isinstance(adapters, Mapping) else [(str(p), p) for p in adapters]
     if not pairs:
         raise AdapterAggregateError("no adapters given (--adapters DIR ...)")
@@ -579,6 +586,10 @@ def aggregate_adapters(
         base = read_base(merge_into)
         plan = plan_merge(base, ref)
 
+    input_digests = [{name: sha256_file(a.path / name) for name in a.files} for a in loaded]
+    for a, digests in zip(loaded, input_digests, strict=True):
+        # Adapters written by fedtune's train carry fedtune-checksums.json; others (peft's own) pass.
+        verify_checksums(a.path, {ADAPTER_WEIGHTS: digests[ADAPTER_WEIGHTS]})
     tensors = [_load(a) for a in loaded]
     n_weights = [normalised[a.site] for a in loaded]
     factors, whole, rank, scale = aggregate_factors(loaded, tensors, n_weights, mode)
@@ -605,12 +616,9 @@ def aggregate_adapters(
                 "use_rslora": bool(a.config.get("use_rslora")),
                 "scaling": sorted({m.scaling for m in a.modules.values()}),
                 "bytes": a.files[ADAPTER_WEIGHTS],
-                "files": {
-                    name: {"bytes": size, "sha256": sha256_file(a.path / name)}
-                    for name, size in a.files.items()
-                },
+                "files": {name: {"bytes": size, "sha256": d[name]} for name, size in a.files.items()},
             }
-            for a in loaded
+            for a, d in zip(loaded, input_digests, strict=True)
         ]
         padded = (
             sum(1 for name in ref.modules if sum(a.modules[name].r for a in loaded) < rank)

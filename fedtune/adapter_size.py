@@ -112,9 +112,14 @@ def pattern_value(pattern: Mapping[str, int | float], name: str, default):
     return default
 
 
-def adapted_modules(config: Mapping, r: int, target_modules: str | Sequence[str], **lora) -> list[dict]:
+def adapted_modules(
+    config: Mapping, r: int, target_modules: str | Sequence[str] | None, **lora
+) -> list[dict]:
     """Every adapted module of the model: {name, in, out, r}. `lora` may hold peft's rank_pattern and
     layers_to_transform."""
+    if target_modules is None:
+        # peft's default for these models (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING).
+        target_modules = ["c_attn"] if _gpt2(config) else ["q_proj", "v_proj"]
     if not target_modules:
         raise AdapterSizeError("adapter config: target_modules is empty")
     rank_pattern = lora.get("rank_pattern") or {}

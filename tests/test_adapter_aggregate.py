@@ -154,6 +154,36 @@ def test_exact_is_the_mean_of_the_updates_for_sites_of_different_ranks(llama_bas
     assert (out / "merged" / "fedtune-checksums.json").is_file()
 
 
+def test_exact_follows_rank_and_alpha_patterns_and_pads_the_smaller_sums(llama_base, tmp_path):
+    targets = ["q_proj", "v_proj"]
+    patterned = {"rank_pattern": {"v_proj": 2}, "alpha_pattern": {r"layers\.1\.self_attn\.q_proj": 2}}
+    sites = [
+        train_adapter(
+            LlamaForCausalLM, llama_base, tmp_path / "a", 1, r=4, lora_alpha=8, target_modules=targets
+        ),
+        train_adapter(
+            LlamaForCausalLM,
+            llama_base,
+            tmp_path / "b",
+            2,
+            r=4,
+            lora_alpha=16,
+            target_modules=targets,
+            **patterned,
+        ),
+    ]
+    record = aggregate_adapters(sites, tmp_path / "out", weights=[1, 1])
+    # q_proj sums to rank 8, v_proj to 6: v_proj is padded with zeros up to the adapter's r.
+    assert (record["output"]["r"], record["output"]["padded_modules"]) == (8, 2)
+    base = base_state(LlamaForCausalLM, llama_base)
+    loaded = peft_merged(LlamaForCausalLM, llama_base, tmp_path / "out")
+    # site_updates reads neither pattern, so the expectation is built from peft's own merge of each site.
+    merged_sites = [peft_merged(LlamaForCausalLM, llama_base, s) for s in sites]
+    for name in (f"model.layers.{i}.self_attn.{m}.weight" for i in (0, 1) for m in targets):
+        site_deltas = [merged[name] - base[name] for merged in merged_sites]
+        assert rel_error(loaded[name] - base[name], (site_deltas[0] + site_deltas[1]) / 2) < 1e-6, name
+
+
 # ---------------------------------------------------------------------------------------------------
 # average_factors
 
@@ -238,8 +268,12 @@ def test_gpt2_fan_in_fan_out_layers_merge_transposed(tmp_path):
             fan_in_fan_out=True,
         ),
     ]
-    record = aggregate_adapters(sites, tmp_path / "out", weights=[2, 1], merge_into=base)
-    assert record["merged"]["adapted_tensors"] == 4
+    # A small shard size makes the merged model a sharded one, with an index, as large models are.
+    record = aggregate_adapters(
+        sites, tmp_path / "out", weights=[2, 1], merge_into=base, max_shard_size=40_000
+    )
+    assert record["merged"]["adapted_tensors"] == 4 and len(record["merged"]["files"]) > 1
+    assert (tmp_path / "out" / "merged" / "model.safetensors.index.json").is_file()
     want = expected_mean(sites, [2, 1])
     before = base_state(GPT2LMHeadModel, base)
     loaded = peft_merged(GPT2LMHeadModel, base, tmp_path / "out")
@@ -315,6 +349,9 @@ def test_missing_files_and_cli_exit_code(two_ranks, tmp_path, capsys):
     assert "folder not found" in capsys.readouterr().err
     with pytest.raises(AdapterAggregateError, match="--merge-into .*model folder not found"):
         aggregate_adapters(two_ranks, tmp_path / "out", merge_into=tmp_path / "nowhere")
+    (broken / ADAPTER_WEIGHTS).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    with pytest.raises(AdapterAggregateError, match=f"{broken / ADAPTER_WEIGHTS}: not a safetensors file"):
+        aggregate_adapters([two_ranks[0], broken], tmp_path / "out")
     with pytest.raises(AdapterAggregateError, match="same adapter folder"):
         aggregate_adapters([two_ranks[0], two_ranks[0]], tmp_path / "out")
     assert not (tmp_path / "out").exists()
@@ -377,6 +414,8 @@ def test_transfer_bytes_of_llama_2_7b():
     gqa = {**LLAMA_2_7B, "num_key_value_heads": 8}
     assert adapter_bytes(gqa, 16, ["k_proj"], "bfloat16") == 32 * 16 * (4096 + 1024) * 2
     assert model_bytes(LLAMA_2_7B, "float32") == 4 * 6_738_415_616
+    # No target_modules: peft's default for Llama, q_proj and v_proj.
+    assert transfer_bytes(LLAMA_2_7B, {"r": 16})["adapter_bytes"] == 2 * 32 * 16 * 8192 * 4
 
 
 def test_transfer_bytes_counts_what_tiny_peft_adapters_hold(two_ranks, llama_base):
