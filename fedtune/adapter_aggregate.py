@@ -101,6 +101,8 @@ class LoraModule:
 
 @dataclass
 class Adapter:
+    """One site's PEFT LoRA folder, read and checked (no tensor data loaded)."""
+
     site: str
     path: Path
     config: dict
