@@ -426,3 +426,21 @@ def test_transfer_bytes_counts_what_tiny_peft_adapters_hold(two_ranks, llama_bas
     assert transfer_bytes(config, adapter)["adapter_bytes"] == stored
     model = LlamaForCausalLM(llama_config())
     assert transfer_bytes(config, adapter)["parameters"] == sum(p.numel() for p in model.parameters())
+
+
+def test_output_dtype_and_record(two_ranks, tmp_path):
+    record = aggregate_adapters(
+        {"north": two_ranks[0], "south": two_ranks[1]}, tmp_path / "out", weights=[3, 1], dtype="bfloat16"
+    )
+    tensors = load_file(tmp_path / "out" / ADAPTER_WEIGHTS)
+    assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
+    assert tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].shape == (12, 64)
+    assert record["weights"] == {
+        "source": "explicit",
+        "raw": {"north": 3.0, "south": 1.0},
+        "normalised": {"north": 0.75, "south": 0.25},
+    }
+    assert [i["site"] for i in record["inputs"]] == ["north", "south"]
+    assert record["bytes_read"] == sum(i["bytes"] for i in record["inputs"])
+    assert record["merged"] is None and record["output"]["r"] == 12
+    assert json.loads((tmp_path / "out" / "fedtune-checksums.json").read_text())[ADAPTER_WEIGHTS]["sha256"]
