@@ -21,6 +21,7 @@ include: "workflow/rules/train.smk"
 include: "workflow/rules/sweep.smk"
 include: "workflow/rules/transfer.smk"
 include: "workflow/rules/aggregate.smk"
+include: "workflow/rules/adapters.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/report.smk"
 

@@ -36,7 +36,7 @@ import torch
 
 from fedtune import offline
 from fedtune.adapter_size import pattern_value
-from fedtune.aggregate import parse_size
+from fedtune.aggregate import parse_pairs, parse_size
 from fedtune.atomic import atomic_dir, write_json
 from fedtune.checksums import sha256_file
 from fedtune.config import ConfigError, UserError, check_weights, torch_dtype
@@ -684,6 +684,77 @@ def aggregate_adapters(
     return record
 
 
+def merge_adapter(
+    adapter_dir: str | Path, base_dir: str | Path, out_dir: str | Path, *, max_shard_size: str | int = "5GB"
+) -> dict:
+    """The full model base + the update of one adapter (the round's aggregate): what every cluster makes
+    for itself from the adapter that crossed, so that all start the next round from the same weights."""
+    started = time.perf_counter()
+    adapter = read_adapter("aggregate", adapter_dir)
+    check_adapters([adapter], "exact")
+    base = read_base(base_dir)
+    plan = plan_merge(base, adapter)
+    verify_checksums(adapter.path, {ADAPTER_WEIGHTS: sha256_file(adapter.path / ADAPTER_WEIGHTS)})
+    # As written, at weight 1: the aggregate's scaling stays in its config (1 for an exact aggregate).
+    tensors = _load(adapter)
+    factors = {
+        name: (tensors[m.b_key].float(), tensors[m.a_key].float()) for name, m in adapter.modules.items()
+    }
+    whole = {key: tensors[key].float() for key in adapter.whole}
+    with atomic_dir(Path(out_dir)) as tmp:
+        merged, base_record = write_merged(
+            tmp, base, plan, factors, whole, None, adapter, parse_size(max_shard_size)
+        )
+        record = {
+            "method": "lora_merge",
+            "adapter_dir": str(adapter_dir),
+            "adapted_tensors": sum(v.startswith("lora:") for v in plan.values()),
+            "replaced_tensors": sum(v.startswith("whole:") for v in plan.values()),
+            "base": base_record,
+            **merged,
+            "wall_time_s": round(time.perf_counter() - started, 3),
+        }
+        write_json(tmp / RECORD, record)
+    _log(f"merged {adapter_dir} into {base_dir}: {out_dir} in {record['wall_time_s']:.1f} s")
+    return record
+
+
+def numeric_weights(
+    spec: Sequence[str] | None, sites: Sequence[str], manifests: Mapping[str, Path]
+) -> list[float] | None:
+    """--weights as numbers in the adapters' order: numbers as given, or tokens / uniform / a JSON
+    mapping site -> number as fedtune.aggregate reads them (tokens from the sites' manifests)."""
+    from fedtune.aggregate import AggregateError, manifest_tokens
+    from fedtune.aggregate import resolve_weights as resolve_named
+
+    if spec is None:
+        return None
+    if len(spec) == 1 and not _is_number(spec[0]):
+        unknown = sorted(set(manifests) - set(sites))
+        if unknown:
+            raise AdapterAggregateError(f"--manifest: sites {unknown} have no adapter")
+        try:
+            tokens = {site: manifest_tokens(site, manifests[site]) for site in sites if site in manifests}
+            _, raw = resolve_named(spec[0], sites, tokens)
+        except AggregateError as error:
+            raise AdapterAggregateError(str(error)) from None
+        return [float(raw[site]) for site in sites]
+    bad = [w for w in spec if not _is_number(w)]
+    if bad:
+        raise AdapterAggregateError(
+            f"--weights: {bad} are not numbers (or give one of tokens, uniform, JSON)"
+        )
+    return [float(w) for w in spec]
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _log(message: str) -> None:
     print(f"[adapter_aggregate] {message}", file=sys.stderr, flush=True)
 
@@ -702,16 +773,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m fedtune.adapter_aggregate",
         description="Aggregate the sites' PEFT LoRA adapters into one adapter (and optionally a full model).",
     )
-    parser.add_argument(
-        "--adapters", nargs="+", required=True, metavar="[SITE=]DIR", help="PEFT adapter folders"
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--adapters", nargs="+", metavar="[SITE=]DIR", help="PEFT adapter folders to aggregate")
+    what.add_argument(
+        "--merge",
+        metavar="ADAPTER_DIR",
+        help="merge this one adapter into --base, writing a full model to --output",
     )
+    parser.add_argument("--base", metavar="MODEL_DIR", help="the model --merge adds the adapter's update to")
     parser.add_argument(
         "--weights",
         nargs="+",
-        type=float,
         default=None,
         metavar="W",
-        help="one weight per adapter (default: equal)",
+        help="one number per adapter, or tokens (with --manifest), uniform, or JSON site -> number (default: equal)",
+    )
+    parser.add_argument(
+        "--manifest", nargs="+", default=[], metavar="SITE=PATH", help="site manifests, for --weights tokens"
     )
     parser.add_argument(
         "--mode",
@@ -720,7 +798,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="exact: the mean of the updates as one adapter of rank sum(r_i); average_factors: mean(B), mean(A)",
     )
     parser.add_argument(
-        "--output", required=True, help="folder of the aggregate adapter (replaced atomically)"
+        "--output", required=True, help="folder of the aggregate adapter, or of the --merge model (atomic)"
     )
     parser.add_argument(
         "--merge-into", default=None, metavar="BASE_MODEL_DIR", help="also write base + aggregate update"
@@ -740,6 +818,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-shard-size", default="5GB", help="largest file of the merged model")
     args = parser.parse_args(argv)
     try:
+        if args.merge:
+            if not args.base:
+                raise AdapterAggregateError("--merge needs --base (the model to add the adapter's update to)")
+            merge_adapter(args.merge, args.base, args.output, max_shard_size=args.max_shard_size)
+            return 0
         pairs: dict[str, str] = {}
         for item in args.adapters:
             site, path = _adapter_arg(item)
@@ -750,7 +833,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             pairs,
             args.output,
             mode=args.mode,
-            weights=args.weights,
+            weights=numeric_weights(args.weights, list(pairs), parse_pairs(args.manifest, "--manifest")),
             dtype=args.dtype,
             merge_into=args.merge_into,
             merged_out=args.merged_output,

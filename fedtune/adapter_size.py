@@ -270,3 +270,51 @@ def describe(sizes: Mapping) -> str:
         f"adapter {human(sizes['adapter_bytes'])} ({sizes['adapter_dtype']}) per site per round vs "
         f"full model {human(sizes['model_bytes'])} ({sizes['model_dtype']}): {100 * sizes['ratio']:.2f}%"
     )
+
+
+def known_model_config(run, base_dir) -> tuple[dict | None, str]:
+    """The base model's config.json values where this machine has them without a download, and where
+    they came from: the run's downloaded base, the config's architecture (source init), a local folder,
+    or the Hugging Face cache of an earlier download (read offline)."""
+    import json
+    from pathlib import Path
+
+    model = run.model
+    downloaded = Path(base_dir) / "config.json"
+    if downloaded.is_file():
+        return json.loads(downloaded.read_text()), str(downloaded)
+    if model["source"] == "init":
+        config = dict(model["architecture"])
+        config.setdefault("vocab_size", model.get("tokenizer", {}).get("vocab_size", 0))
+        return config, "model.architecture"
+    if model["source"] == "local":
+        path = Path(model["path"]) / "config.json"
+        return (json.loads(path.read_text()), str(path)) if path.is_file() else (None, str(path))
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(model["name"], "config.json", revision=model.get("revision"))
+    except Exception:  # an unreadable cache is only a missing line in the dry run
+        cached = None
+    if isinstance(cached, str):
+        return json.loads(Path(cached).read_text()), f"the Hugging Face cache ({model['name']})"
+    return None, f"{model['name']} (not downloaded yet)"
+
+
+def transfer_lines(run, base_dir) -> list[str]:
+    """What each site's adapter moves per round, for the dry run; one line per site."""
+    model_config, origin = known_model_config(run, base_dir)
+    if model_config is None:
+        return [
+            f"adapters: bytes per round are computed once {origin}'s config.json is here (after download)"
+        ]
+    dtype = run.model["dtype"]
+    lines = []
+    for name, site in run.sites.items():
+        adapter = site.train.adapter
+        lora = {"r": adapter["r"], "target_modules": adapter["target_modules"]}
+        if adapter["modules_to_save"]:
+            lora["modules_to_save"] = adapter["modules_to_save"]
+        sizes = transfer_bytes(model_config, lora, adapter_dtype=dtype, model_dtype=dtype)
+        lines.append(f"adapters: site {name}: {describe(sizes)} (shapes from {origin})")
+    return lines

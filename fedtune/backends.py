@@ -110,9 +110,14 @@ def _micro_loss(model, inputs: dict, trained: int):
     return output.loss
 
 
+def trainable(model) -> list[torch.nn.Parameter]:
+    """The parameters training changes: all of them, or an adapter's (train.adapter)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 def adamw(model, options: TrainOptions) -> torch.optim.AdamW:
     return torch.optim.AdamW(
-        model.parameters(),
+        trainable(model),
         lr=options.lr,
         betas=options.betas,
         weight_decay=options.weight_decay,
@@ -152,8 +157,14 @@ class _TorchBackend:
     """What FSDP2 and DDP share: a torch AdamW over the wrapped model, the step with clipping and fp16
     loss scaling, and checkpoints and exports through torch.distributed.checkpoint's state dicts."""
 
-    def __init__(self, model: torch.nn.Module, options: TrainOptions, job: Job, accumulation: int):
+    def __init__(
+        self, model: torch.nn.Module, options: TrainOptions, job: Job, accumulation: int, module=None
+    ):
         self.model = model
+        self.module = model if module is None else module  # as built, without DDP's wrapper
+        # With an adapter, checkpoints and exports hold the trainable tensors only: the frozen base is
+        # the round's start model, already on disk.
+        self.frozen_base = options.adapter is not None
         self.job, self.accumulation = job, accumulation
         self.grad_clip = options.grad_clip
         self.scaler = LossScaler() if options.precision == "fp16" else None
@@ -167,7 +178,7 @@ class _TorchBackend:
 
     def _local_tensors(self, grads: bool):
         """Gradient and weights as this rank holds them (an FSDP2 DTensor's local shard), for Proximal."""
-        for p in self.model.parameters():
+        for p in trainable(self.model):
             local = p.to_local() if hasattr(p, "to_local") else p
             grad = (
                 p.grad.to_local() if grads and p.grad is not None and hasattr(p.grad, "to_local") else p.grad
@@ -197,11 +208,16 @@ class _TorchBackend:
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
+    def _state_options(self, **kwargs):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(ignore_frozen_params=self.frozen_base, strict=not self.frozen_base, **kwargs)
+
     def save(self, folder: Path) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=self._state_options())
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder / "fsdp"))
 
     def save_async(self, folder: Path, process_group):
@@ -210,7 +226,7 @@ class _TorchBackend:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=self._state_options())
         state = {"model": model_state, "optim": optim_state}
         return dcp.async_save(state, checkpoint_id=str(folder / "fsdp"), process_group=process_group)
 
@@ -218,12 +234,13 @@ class _TorchBackend:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=self._state_options())
         state = {"model": model_state, "optim": optim_state}
         dcp.load(state, checkpoint_id=str(folder / "fsdp"))
         set_state_dict(
-            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-        )
+            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+            options=self._state_options(),
+        )  # fmt: skip
 
     def extra_state(self) -> dict:
         return {"loss_scaler": self.scaler.state_dict()} if self.scaler else {}
@@ -233,9 +250,9 @@ class _TorchBackend:
             self.scaler.load_state_dict(state["loss_scaler"])
 
     def full_state_dict(self) -> dict | None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        options = self._state_options(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(self.model, options=options)
         return state if self.job.is_main else None
 
@@ -310,7 +327,7 @@ class DDPBackend(_TorchBackend):
         wrapped = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
         # FSDP casts parameters for mixed precision; DDP keeps fp32 parameters, so autocast does it.
         self.low = _low_precision(options)
-        super().__init__(wrapped, options, job, accumulation)
+        super().__init__(wrapped, options, job, accumulation, module=model)
 
     def forward_backward(
         self, input_ids, labels, weight: float, last: bool, attention_mask=None
@@ -374,19 +391,21 @@ class DeepSpeedBackend:
         import deepspeed
 
         self.job = job
+        self.module = model
+        self.frozen_base = options.adapter is not None
         self.config = deepspeed_config(options, accumulation, job.device)
         optimizer = None
         if "optimizer" not in self.config:
             # torch's AdamW, the optimizer of the FSDP backend: both backends then compute the same steps.
             optimizer = torch.optim.AdamW(
-                model.parameters(),
+                trainable(model),
                 lr=options.lr,
                 betas=options.betas,
                 weight_decay=options.weight_decay,
                 eps=ADAM_EPS,
             )
         self.engine, *_ = deepspeed.initialize(
-            model=model, optimizer=optimizer, model_parameters=model.parameters(), config=self.config
+            model=model, optimizer=optimizer, model_parameters=trainable(model), config=self.config
         )
         self.proximal = Proximal(options.fedprox_mu, self._local_tensors) if options.fedprox_mu else None
 
@@ -394,7 +413,7 @@ class DeepSpeedBackend:
         """ZeRO-3's partitions of each parameter on this rank (TrainOptions allows FedProx on stage 3 only)."""
         from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_grad, safe_set_local_grad
 
-        for p in self.engine.module.parameters():
+        for p in trainable(self.engine.module):
             grad = safe_get_local_grad(p) if grads else None
             yield grad, safe_get_local_fp32_param(p), lambda value, p=p: safe_set_local_grad(p, value)
 
@@ -423,12 +442,15 @@ class DeepSpeedBackend:
         return float(norm)
 
     def save(self, folder: Path) -> None:
-        self.engine.save_checkpoint(str(folder), tag=self.TAG, save_latest=False)
+        self.engine.save_checkpoint(
+            str(folder), tag=self.TAG, save_latest=False, exclude_frozen_parameters=self.frozen_base
+        )
 
     def load(self, folder: Path) -> None:
         path, _ = self.engine.load_checkpoint(
-            str(folder), tag=self.TAG, load_optimizer_states=True, load_lr_scheduler_states=False
-        )
+            str(folder), tag=self.TAG, load_optimizer_states=True, load_lr_scheduler_states=False,
+            load_module_strict=not self.frozen_base,
+        )  # fmt: skip
         if path is None:
             raise RuntimeError(f"{folder}: DeepSpeed could not load the checkpoint")
 
@@ -447,9 +469,11 @@ class DeepSpeedBackend:
 
     def full_state_dict(self) -> dict | None:
         if self.engine.zero_optimization_partition_weights():
-            state = self.engine._zero3_consolidated_16bit_state_dict()
+            state = self.engine._zero3_consolidated_16bit_state_dict(
+                exclude_frozen_parameters=self.frozen_base
+            )
         else:
-            state = self.engine.module.state_dict()
+            state = self.engine.module_state_dict(exclude_frozen_parameters=self.frozen_base)
         if not self.job.is_main:
             return None
         return {name: tensor.detach().cpu() for name, tensor in state.items()}

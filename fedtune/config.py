@@ -283,6 +283,7 @@ class TrainOptions(_Options):
     offload_params: bool
     deepspeed_extra: dict
     precision: str
+    adapter: dict | None
     gradient_checkpointing: bool
     micro_batch: int
     global_batch: int
@@ -336,6 +337,11 @@ class TrainOptions(_Options):
             )
         if self.deepspeed_extra and not deepspeed:
             raise ConfigError(f"{where}deepspeed_extra: given, but backend is {self.backend}")
+        if self.adapter and self.adapter["quantize"] != "none" and self.device == "cpu":
+            raise ConfigError(
+                f"{where}adapter.quantize: {self.adapter['quantize']} (QLoRA, bitsandbytes) needs a CUDA "
+                "device, but device is cpu; use quantize: none"
+            )
         # Set by scripts/clusters/iris.sh: V100s have no bf16, and emulating it would be slow and silent.
         if self.precision == "bf16" and os.environ.get("FEDTUNE_NO_BF16") == "1":
             raise ConfigError(f"{where}precision: bf16, but this cluster's GPUs have none; use fp16 or fp32")
@@ -344,6 +350,10 @@ class TrainOptions(_Options):
     @property
     def fsdp(self) -> bool:
         return self.backend == "fsdp"
+
+    @property
+    def adapter_rank(self) -> int | None:
+        return self.adapter["r"] if self.adapter else None
 
     @property
     def world_size(self) -> int:
@@ -543,6 +553,47 @@ def _pooled_options(config: Mapping, sites: Mapping[str, Site], source: str) -> 
     return dataclasses.replace(base, max_steps=None, epochs=rounds * base.epochs)
 
 
+def _check_adapters(config: Mapping, sites: Mapping[str, Site], source: str) -> None:
+    """Adapters federate only through the aggregation that combines them (aggregate.adapter_merge)."""
+    adapted = [name for name, site in sites.items() if site.train.adapter]
+    if not adapted:
+        return
+    if len(adapted) != len(sites):
+        plain = sorted(set(sites) - set(adapted))
+        raise ConfigError(
+            f"{source}: train.adapter: set for {', '.join(adapted)} but not for {', '.join(plain)}; "
+            "every site trains an adapter or none does"
+        )
+    aggregate, federation = config["aggregate"], config["federation"]
+    server = aggregate["server_optimizer"]
+    if aggregate["method"] != "fedavg":
+        raise ConfigError(
+            f"{source}: aggregate.method: {aggregate['method']} merges whole task vectors; with "
+            "train.adapter use fedavg (aggregate.adapter_merge says how the adapters combine)"
+        )
+    if server.get("name", "sgd") != "sgd" or server.get("lr", 1.0) != 1.0:
+        raise ConfigError(
+            f"{source}: aggregate.server_optimizer: {server} needs whole models each round; with "
+            "train.adapter leave it at sgd, lr 1"
+        )
+    if aggregate["compare"]:
+        raise ConfigError(f"{source}: aggregate.compare: not available with train.adapter")
+    if federation["site_optimizer"] == "keep":
+        raise ConfigError(
+            f"{source}: federation.site_optimizer: keep; with train.adapter every round starts fresh "
+            "adapters, which have no optimizer state to keep; use reset"
+        )
+    if aggregate["adapter_merge"] == "average_factors":
+        shapes = {name: (site.train.adapter["r"], json.dumps(site.train.adapter["target_modules"]))
+                  for name, site in sites.items()}  # fmt: skip
+        if len(set(shapes.values())) > 1:
+            listed = ", ".join(f"{n} r={r} targets={t}" for n, (r, t) in shapes.items())
+            raise ConfigError(
+                f"{source}: aggregate.adapter_merge: average_factors needs the same rank and target "
+                f"modules at every site ({listed}); use exact, which takes any ranks"
+            )
+
+
 def build_run_config(config: dict, *, source: str = "config", base_dir: Path | None = None) -> RunConfig:
     """Validate `config` (defaults filled in place) with every rule, and return it as a RunConfig."""
     validate_section(config, MAIN_SCHEMA, source=source)
@@ -598,6 +649,7 @@ def build_run_config(config: dict, *, source: str = "config", base_dir: Path | N
                     f"{source}: federation.site_optimizer: keep needs backend fsdp, but site {site.name} "
                     "trains with deepspeed (whose optimizer also holds the weights)"
                 )
+    _check_adapters(config, sites, source)
     pooled = None
     if federation["pooled_baseline"]:
         clusters = sorted({site.cluster for site in sites.values()})

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedtune import offline, tracking
+from fedtune import adapters, offline, tracking
 from fedtune.accelerators import check_device
 from fedtune.atomic import write_json
 from fedtune.config import (
@@ -38,7 +38,7 @@ from fedtune.config import (
     check_template,
     label_problem,
 )
-from fedtune.models import load_causal_lm, load_model, load_tokenizer
+from fedtune.models import load_tokenizer
 from fedtune.progress import track
 from fedtune.tokenize import TokenizeError, encode_documents, encode_examples
 
@@ -221,6 +221,7 @@ def evaluate_classifier(
     max_documents: int | None,
     dtype: str | None,
     device: str,
+    base: str | Path | None = None,
 ) -> dict:
     import numpy as np
     import torch
@@ -231,8 +232,8 @@ def evaluate_classifier(
     labels = np.asarray(data.with_format("numpy")[label_field])
     if len(labels) == 0:
         raise EvaluateError(f"{data_dir} ({split}): no documents to classify")
-    tokenizer = load_tokenizer(model_dir)
-    model = load_model(model_dir, task=CLASSIFICATION, dtype=dtype)
+    tokenizer = load_tokenizer(adapters.weights_folder(model_dir, base))
+    model = adapters.load_model(model_dir, base=base, task=CLASSIFICATION, dtype=dtype)
     num_labels = model.config.num_labels
     problem = label_problem(labels, num_labels)
     if problem:
@@ -290,7 +291,10 @@ def evaluate(
     round_number: int | None = None,
     task: str = CAUSAL_LM,
     label_field: str = "label",
+    base: str | Path | None = None,
 ) -> dict:
+    """Scores of one model on one split. `base`: the base model of an adapter folder (train.adapter),
+    evaluated as base + adapter without merging."""
     import torch
 
     started = time.perf_counter()
@@ -309,12 +313,13 @@ def evaluate(
         "task": task,
         "data": str(data_dir),
         "split": split,
+        "base": str(base) if base is not None and adapters.is_adapter(model_dir) else None,
     }
     if task == CLASSIFICATION:
         scores = evaluate_classifier(
             model_dir, data_dir, split=split, text_field=text_field, label_field=label_field,
             template=template, max_length=max_length, batch_size=batch_size, max_documents=max_documents,
-            dtype=dtype, device=device,
+            dtype=dtype, device=device, base=base,
         )  # fmt: skip
         return {
             **identity,
@@ -325,14 +330,15 @@ def evaluate(
         }
 
     texts = load_texts(data_dir, split, text_field, max_documents)
-    tokenizer = load_tokenizer(model_dir)
+    weights = adapters.weights_folder(model_dir, base)
+    tokenizer = load_tokenizer(weights)
     stream = build_stream(texts, tokenizer, template, add_bos=add_bos)
     if len(stream.ids) < 2:
         raise EvaluateError(f"{data_dir} ({split}): {len(stream.ids)} tokens, nothing to score")
-    model_config = Path(model_dir) / "config.json"
+    model_config = weights / "config.json"
     if model_config.is_file():
         check_fits(max_length, json.loads(model_config.read_text()), "--max-length", str(model_config))
-    model = load_causal_lm(model_dir, dtype=dtype)
+    model = adapters.load_model(model_dir, base=base, task=CAUSAL_LM, dtype=dtype)
     model.to(device).eval()
 
     nll, scored, n_windows = score(
@@ -408,7 +414,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m fedtune.evaluate",
         description="Perplexity and bits per byte of one model on one site's raw test split.",
     )
-    parser.add_argument("--model", required=True, help="HF model folder (save_pretrained)")
+    parser.add_argument(
+        "--model", required=True, help="HF model folder (save_pretrained) or PEFT adapter folder"
+    )
+    parser.add_argument("--base", default=None, help="the base model of an adapter --model (train.adapter)")
     parser.add_argument(
         "--data", required=True, help="raw DatasetDict folder (save_to_disk): data/<site>/raw"
     )
@@ -466,6 +475,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             round_number=args.round,
             task=args.task,
             label_field=args.label_field,
+            base=args.base,
             **{key: getattr(options, key) for key in OPTION_KEYS},
         )
     except UserError as e:

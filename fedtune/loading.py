@@ -11,7 +11,8 @@ model. Reading on global rank 0 rather than on each node's local rank 0 is what 
 offers, and it is less host memory still (ranks on other nodes receive their parts over the network).
 
 Modes that keep a whole replica per rank anyway (sharding none, DeepSpeed ZeRO-0/1/2) and folders with
-only pickle weights take the per-rank path (`load_model` + `backends.build`), as does FEDTUNE_LOADING=
+only pickle weights take the per-rank path (`load_model` + `backends.build`), as do adapters (peft wraps
+the loaded model) and FEDTUNE_LOADING=
 per-rank (benchmarks/loading_memory.py measures both)."""
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def loads_once(options: TrainOptions, model_dir: Path, allow_pickle: bool) -> bo
 
     if os.environ.get(LOADING_ENV) == "per-rank":
         return False
+    if options.adapter:
+        return False  # peft swaps the adapted layers of a loaded model; the meta path builds none
     if not weight_files(model_dir):
         return False  # pickle weights only (allow_pickle): from_pretrained reads them
     if ties_embeddings(model_dir):
@@ -76,6 +79,10 @@ def _load_backend(
             model_dir, task=task, dtype="float32", allow_pickle=allow_pickle, verify=job.local_rank == 0
         )
         model.config.use_cache = False
+        if options.adapter:
+            from fedtune import adapters
+
+            model = adapters.wrap(model, options.adapter, task)
         return backends.build(model, options, job, accumulation)
 
     model = empty_model(model_dir, task=task, verify=job.local_rank == 0)

@@ -64,6 +64,7 @@ TRAINING_COLUMNS = [
     "world_size",
     "backend",
     "sharding",
+    "sent_mb",
 ]
 
 
@@ -199,6 +200,10 @@ def load_evals(paths: Sequence[str | Path]) -> list[dict]:
     return results
 
 
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
 def training_table(entries: Sequence[tuple[int, str, Path]]) -> pd.DataFrame:
     rows = []
     for rnd, site, path in entries:
@@ -223,6 +228,9 @@ def training_table(entries: Sequence[tuple[int, str, Path]]) -> pd.DataFrame:
                 "world_size": t.get("world_size"),
                 "backend": t.get("backend"),
                 "sharding": t.get("sharding"),
+                # What the site's folder moves to the aggregating cluster each round: a whole model, or
+                # with train.adapter only the adapter (fetch_site_model copies the folder as it is).
+                "sent_mb": None if site == "pooled" else folder_bytes(Path(path).parent) / 1e6,
             }
         )
     table = pd.DataFrame(rows, columns=TRAINING_COLUMNS)
@@ -504,7 +512,7 @@ def report(
             ],
         ),
     )
-    training_digits = {"wall_time_s": 1, "tokens_per_s": 0, "final_loss": 4}
+    training_digits = {"wall_time_s": 1, "tokens_per_s": 0, "final_loss": 4, "sent_mb": 3}
     write_text(paths["training_csv"], train.to_csv(index=False))
     write_text(paths["training_md"], markdown(train, digits=training_digits))
     paths["training_html"] = out_dir / "training.html"

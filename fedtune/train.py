@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fedtune import checkpoint, distributed, loading, offline, tracking
+from fedtune import adapters, checkpoint, distributed, loading, offline, tracking
 from fedtune.atomic import atomic_dir, write_json, write_text
 from fedtune.blocks import BlockOrder, Blocks, manifest_shards, trained_tokens
 from fedtune.config import CAUSAL_LM, CLASSIFICATION, ConfigError, TrainOptions, UserError
@@ -185,6 +185,7 @@ def run_identity(options: TrainOptions, plan: RoundPlan, init: Path, blocks: Blo
         "block_size": blocks.block_size,
         # DeepSpeed's checkpoints are per rank; FSDP's (torch.distributed.checkpoint) reshard on load.
         "world_size": world_size if options.backend == "deepspeed" else None,
+        "adapter": options.adapter,
     }
 
 
@@ -209,6 +210,8 @@ def setup(args: TrainJob, options: TrainOptions, plan: RoundPlan) -> Setup:
     task = CLASSIFICATION if blocks.classification else CAUSAL_LM
 
     job = distributed.start(options.device)
+    if options.adapter:
+        adapters.check_quantize(options.adapter, job.device)
     if options.precision == "bf16" and job.device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError(
             f"--options: precision: bf16, but {torch.cuda.get_device_name(job.device)} has none; use fp16 or fp32"
@@ -425,7 +428,10 @@ def export(run: Setup, progress: TrainingProgress, started: float) -> dict | Non
     record = summary(run, progress, started)
     with atomic_dir(args.out) as tmp:
         tmp.chmod(0o755)
-        if not args.summary_only:
+        if run.options.adapter and not args.summary_only:
+            # The PEFT folder: the trainable tensors only; the base is the round's start model.
+            adapters.write_adapter(run.backend.module, state, tmp, args.dtype)
+        elif not args.summary_only:
             # Rank 0 verified these weights when training started.
             model = load_model(
                 args.init, task=run.task, dtype=args.dtype, allow_pickle=args.allow_pickle, verify=False

@@ -36,6 +36,7 @@ ALLOWED = [
     "model.tokenizer.vocab_size",
     "sites.*.dataset.name",
     "sites.*.dataset.max_documents",
+    "sites.*.dataset.data_files",
     "tokenize.block_size",
     "tokenize.shards",
     "evaluate.max_length",
@@ -64,10 +65,10 @@ def merged_train(config: dict, site: str) -> dict:
     return {**config.get("train", {}), **(config["sites"][site].get("train") or {})}
 
 
-def test_there_are_six_examples():
+def test_the_examples_are_there():
     names = {path.stem for path in EXAMPLES}
-    assert {"llama2-it-cs", "opt125m-yelp", "gpt2-wikitext", "gpt2-wikitext-deepspeed", "gpt2-scratch",
-            "distilbert-imdb"} <= names, names  # fmt: skip
+    assert {"llama2-it-cs", "llama2-it-cs-lora", "opt125m-yelp", "gpt2-wikitext", "gpt2-wikitext-deepspeed",
+            "gpt2-scratch", "distilbert-imdb", "demo-lora"} <= names, names  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=EXAMPLES, ids=lambda path: path.stem)
@@ -139,6 +140,14 @@ def test_stand_ins_have_the_hub_models_class_and_the_hub_datasets_layout(twin):
         assert list(folder.glob("*.safetensors")) and not list(folder.glob("*.bin"))
     for name, site in config["sites"].items():
         dataset = site["dataset"]
+        if dataset["source"] == "local":
+            # The repository's files themselves, not stand-ins: the same files the example names.
+            original = example["sites"][name]["dataset"]["data_files"]
+            assert {split: [Path(f).relative_to(ROOT).as_posix() for f in files]
+                    for split, files in dataset["data_files"].items()} == {
+                split: [files] if isinstance(files, str) else files for split, files in original.items()
+            }  # fmt: skip
+            continue
         loaded = load_dataset(dataset["name"], dataset.get("config"))
         for split in dataset["splits"].values():
             assert split in loaded, (name, split, list(loaded))
@@ -174,6 +183,8 @@ def test_twin_runs_the_whole_workflow(twin):
             assert tuned < 0.5 * base, (site, base, tuned)
     assert (run / "report" / f"{metric}.csv").stat().st_size > 0
     assert (run / "report" / f"{metric}.md").stat().st_size > 0
+    if merged_train(config, next(iter(config["sites"]))).get("adapter"):
+        check_adapter_run(config, run, twin["workdir"])
     if config.get("sweep"):
         assert (run / "report" / "sweep.csv").stat().st_size > 0
 
@@ -191,3 +202,39 @@ def test_cli_names_the_key_it_cannot_scale_down(tmp_path):
     assert result.returncode == 2
     assert "model.name: 'someone/unknown-model' has no tiny stand-in" in result.stderr, result.stderr
     assert not (tmp_path / "twin.yaml").exists()
+
+
+def check_adapter_run(config: dict, run: Path, workdir: Path) -> None:
+    """An adapter run (train.adapter) moved adapters only, as many bytes as computed from the model's
+    shapes, and every round started from the merged aggregate of the one before."""
+    import pandas as pd
+
+    from fedtune.adapter_size import transfer_bytes
+
+    rounds = config.get("federation", {}).get("rounds", 1)
+    model_config = json.loads((run / "model" / "base" / "config.json").read_text())
+    training = pd.read_csv(run / "report" / "training.csv")
+    for site in config["sites"]:
+        adapter = merged_train(config, site)["adapter"]
+        for r in range(1, rounds + 1):
+            folder = run / f"round-{r}" / site / "model"
+            assert (folder / "adapter_config.json").is_file() and not (folder / "model.safetensors").exists()
+            computed = transfer_bytes(
+                model_config, {"r": adapter["r"], "target_modules": adapter["target_modules"]},
+                adapter_dtype=config["model"]["dtype"],
+            )  # fmt: skip
+            # The stored tensors are the computed bytes; the file adds its small JSON header.
+            stored = (folder / "adapter_model.safetensors").stat().st_size
+            assert computed["adapter_bytes"] <= stored < computed["adapter_bytes"] + 20_000, (site, r)
+            assert computed["ratio"] < 0.5
+            sent = training[(training["round"] == r) & (training["site"] == site)]["sent_mb"].item()
+            assert sent * 1e6 == pytest.approx(sum(p.stat().st_size for p in folder.iterdir()), rel=1e-3)
+            start = json.loads((folder / "training.json").read_text())["init"]
+            expected = run / "model" / "base" if r == 1 else run / f"round-{r - 1}" / "aggregate" / "model"
+            assert Path(start).resolve() == expected.resolve(), (site, r, start)
+    for r in range(1, rounds + 1):
+        assert (run / f"round-{r}" / "aggregate" / "adapter" / "adapter_config.json").is_file()
+        assert list((run / f"round-{r}" / "aggregate" / "model").glob("*.safetensors"))
+    # The dry run states the bytes from the same shapes.
+    dry = snakemake(workdir, "-n", check=False)
+    assert f"adapters: site {next(iter(config['sites']))}: adapter" in dry.stderr, dry.stderr[-2000:]

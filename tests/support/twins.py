@@ -455,6 +455,7 @@ RESIZED = {
     "model.tokenizer.vocab_size": "a small vocabulary for a small corpus",
     "sites.*.dataset.name": "a local dataset folder with the hub dataset's configs, splits and columns",
     "sites.*.dataset.max_documents": "a few documents",
+    "sites.*.dataset.data_files": "the repository's own files, by absolute path (the twin runs elsewhere)",
     "tokenize.block_size": "short blocks",
     "tokenize.shards": "few tokenize jobs",
     "evaluate.max_length": "the twin's block size",
@@ -556,6 +557,13 @@ def twin_config(example: dict, assets: Path, *, source: str) -> dict:
     for name, site in twin["sites"].items():
         site["cluster"] = "local"
         dataset = site["dataset"]
+        if dataset["source"] == "local":
+            # The repository's own small files (the demo's): kept, by a path the twin's folder reaches.
+            dataset["data_files"] = {
+                split: [str(ROOT / f) for f in ([files] if isinstance(files, str) else files)]
+                for split, files in dataset["data_files"].items()
+            }
+            continue
         if dataset["source"] != "hf" or dataset["name"] not in DATASETS:
             raise ConfigError(
                 f"{source}: sites.{name}.dataset.name: {dataset.get('name')!r} has no tiny stand-in; "

@@ -19,7 +19,8 @@ MERGE_ARGS = (
 
 
 # On the other clusters of a multi-cluster federation, fetch_aggregate (transfer.smk) brings it in.
-if aggregates_here():
+# Adapters (train.adapter) are combined by the rules of adapters.smk instead.
+if aggregates_here() and not ADAPTERS:
 
     rule aggregate:
         input:

@@ -138,6 +138,37 @@ def init_model_dir(round):
     return base_model_dir() if round == 1 else aggregate_model_dir(round - 1)
 
 
+# train.adapter: the sites train LoRA adapters (fedtune.adapters). Their model folders hold adapters,
+# which are what moves between clusters; the round's aggregate adapter is merged into the round's start
+# model on every cluster (rule merge_adapter), and the next round starts from that with fresh adapters.
+ADAPTERS = any(site.train.adapter for site in RUN.sites.values())
+
+
+if ADAPTERS and not workflow.remote_exec:
+    from fedtune.adapter_size import transfer_lines
+
+    for line in transfer_lines(RUN, base_model_dir()):
+        print(line, file=sys.stderr)
+
+
+def aggregate_adapter_dir(round):
+    return run_path(f"round-{round}", "aggregate", "adapter")
+
+
+def adapter_base(wildcards):
+    """The base an evaluated adapter sits on: the start model of its round (or the pooled baseline's).
+    Empty where the model is a full model."""
+    if not ADAPTERS:
+        return []
+    if "model" not in wildcards.keys():
+        return [base_model_dir()]  # the pooled baseline
+    return [init_model_dir(wildcards.round)] if wildcards.model in SITES else []
+
+
+def base_arg(wildcards, input):
+    return f"--base {shlex.quote(input.base[0])}" if input.get("base") else ""
+
+
 # Train jobs (rules train and train_sweep): Slurm resources and launcher arguments from the job's
 # train options, a site's (TrainOptions) or a sweep point's.
 LAUNCH = str(Path(workflow.basedir) / "scripts" / "launch")
@@ -224,7 +255,7 @@ def server_state_dir(round):
 
 def server_state_in(wildcards):
     round = int(wildcards.round)
-    return [server_state_dir(round - 1)] if round > 1 else []
+    return [server_state_dir(round - 1)] if round > 1 and not ADAPTERS else []
 
 
 def compare_model_dir(round, method):

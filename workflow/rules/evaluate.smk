@@ -18,7 +18,7 @@ EVAL_BOS = "--add-bos" if RUN.tokenize["add_bos"] else "--no-add-bos"
 
 
 EVAL_SHELL = (
-    "python -m fedtune.evaluate --model {input.model:q} --data {input.data:q} --split test"
+    "python -m fedtune.evaluate --model {input.model:q} {params.base} --data {input.data:q} --split test"
     " --text-field {params.text_field:q} --template {params.template:q} {params.bos}"
     " --options {params.options:q} {params.task}"
     " --site {wildcards.site} --label {params.label} --round {params.round}"
@@ -49,6 +49,7 @@ rule evaluate_base:
         options=RUN.evaluate.to_json(),
         label="base",
         round=0,
+        base="",
         task=lambda wc: eval_task_args(wc.site),
         tracking=lambda wc: tracking_args(),
     shell:
@@ -60,6 +61,8 @@ use rule evaluate_base as evaluate_round with:
         # A site's model of that round, the round's aggregate or a compared merge.
         model=lambda wc: round_model_dir(wc.round, wc.model),
         data=raw_data_dir("{site}"),
+        # A site's adapter (train.adapter) is evaluated on its round's start model, unmerged.
+        base=adapter_base,
     output:
         run_path("round-{round}", "eval", "{model}", "{site}.json"),
     log:
@@ -69,6 +72,7 @@ use rule evaluate_base as evaluate_round with:
     params:
         label=lambda wc: wc.model,
         round=lambda wc: wc.round,
+        base=base_arg,
 
 
 if RUN.pooled:
@@ -77,11 +81,13 @@ if RUN.pooled:
         input:
             model=pooled_model_dir(),
             data=raw_data_dir("{site}"),
+            base=adapter_base,
         output:
             pooled_eval("{site}"),
         log:
             log_path("evaluate", "pooled", "{site}"),
         params:
             label="pooled",
+            base=base_arg,
             # Beside the last round's models, whose tokens it has seen.
             round=RUN.rounds,

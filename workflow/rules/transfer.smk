@@ -48,9 +48,14 @@ rule fetch_manifest:
 
 if not aggregates_here():
 
+    # With adapters only the aggregate adapter travels; rule merge_adapter makes the model here.
     rule fetch_aggregate:
         output:
-            directory(aggregate_model_dir("{round}")),
+            directory(
+                aggregate_adapter_dir("{round}")
+                if ADAPTERS
+                else aggregate_model_dir("{round}")
+            ),
         log:
             log_path("fetch_aggregate", "{round}"),
         localrule: True
@@ -60,7 +65,9 @@ if not aggregates_here():
             CONTAINER
         params:
             source=lambda wc, output: remote_source(
-                AGGREGATE_ON, f"round-{wc.round}/aggregate/model", output[0]
+                AGGREGATE_ON,
+                f"round-{wc.round}/aggregate/{'adapter' if ADAPTERS else 'model'}",
+                output[0],
             ),
             hint=lambda wc, output: fetch_hint(AGGREGATE_ON, output[0]),
         shell:

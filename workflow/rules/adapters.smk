@@ -1,0 +1,56 @@
+# Adapters (train.adapter): the sites' LoRA adapters are combined into one adapter where the models
+# meet (aggregate.adapter_merge), and every cluster merges that adapter into the round's start model
+# itself, so only adapters cross between clusters. The next round starts from the merged model with
+# fresh adapters (FLoRA).
+
+if ADAPTERS and aggregates_here():
+
+    rule aggregate_adapters:
+        input:
+            models=lambda wc: [site_model_dir(wc.round, site) for site in SITES],
+            manifests=[manifest_path(site) for site in SITES],
+        output:
+            directory(aggregate_adapter_dir("{round}")),
+        log:
+            log_path("aggregate", "round-{round}"),
+        conda:
+            CONDA_ENV
+        container:
+            CONTAINER
+        resources:
+            mem_mb=4000,
+            runtime=30,
+        params:
+            models=site_model_args,
+            manifests=[f"{site}={manifest_path(site)}" for site in SITES],
+            mode=AGGREGATE["adapter_merge"],
+            weights=AGGREGATE_WEIGHTS,
+        shell:
+            "python -m fedtune.adapter_aggregate --output {output:q} --mode {params.mode}"
+            " --weights {params.weights:q} --adapters {params.models:q}"
+            " --manifest {params.manifests:q} > {log:q} 2>&1"
+
+
+if ADAPTERS:
+
+    rule merge_adapter:
+        input:
+            adapter=aggregate_adapter_dir("{round}"),
+            start=lambda wc: init_model_dir(wc.round),
+        output:
+            directory(aggregate_model_dir("{round}")),
+        log:
+            log_path("merge_adapter", "round-{round}"),
+        conda:
+            CONDA_ENV
+        container:
+            CONTAINER
+        resources:
+            # Streamed tensor by tensor, like aggregate.
+            mem_mb=4000,
+            runtime=60,
+        params:
+            max_shard_size=AGGREGATE["max_shard_size"],
+        shell:
+            "python -m fedtune.adapter_aggregate --merge {input.adapter:q} --base {input.start:q}"
+            " --output {output:q} --max-shard-size {params.max_shard_size} > {log:q} 2>&1"
