@@ -516,7 +516,8 @@ def write_merged(
                 update = (b @ a).mul_(s)
                 if fan_in_fan_out:
                     update = update.T
-                result.copy_(src.float().add_(update.reshape(-1)))
+                # Not in place: src is the (copy-on-write) map of the base, whose bytes are being hashed.
+                result.copy_(src.float() + update.reshape(-1))
             elif what.startswith("whole:"):
                 result.copy_(whole[what[len("whole:") :]].reshape(-1))
             else:

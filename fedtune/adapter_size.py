@@ -298,7 +298,7 @@ def known_model_config(run, base_dir) -> tuple[dict | None, str]:
         cached = None
     if isinstance(cached, str):
         return json.loads(Path(cached).read_text()), f"the Hugging Face cache ({model['name']})"
-    return None, f"{model['name']} (not downloaded yet)"
+    return None, model["name"]
 
 
 def transfer_lines(run, base_dir) -> list[str]:
@@ -306,7 +306,8 @@ def transfer_lines(run, base_dir) -> list[str]:
     model_config, origin = known_model_config(run, base_dir)
     if model_config is None:
         return [
-            f"adapters: bytes per round are computed once {origin}'s config.json is here (after download)"
+            f"adapters: the bytes each round moves follow from {origin}'s config.json, not on this machine "
+            f"yet; the dry run prints them after the download (or `hf download {origin} config.json`)"
         ]
     dtype = run.model["dtype"]
     lines = []

@@ -352,10 +352,6 @@ class TrainOptions(_Options):
         return self.backend == "fsdp"
 
     @property
-    def adapter_rank(self) -> int | None:
-        return self.adapter["r"] if self.adapter else None
-
-    @property
     def world_size(self) -> int:
         return self.nodes * self.processes_per_node
 

@@ -444,3 +444,57 @@ def test_output_dtype_and_record(two_ranks, tmp_path):
     assert record["bytes_read"] == sum(i["bytes"] for i in record["inputs"])
     assert record["merged"] is None and record["output"]["r"] == 12
     assert json.loads((tmp_path / "out" / "fedtune-checksums.json").read_text())[ADAPTER_WEIGHTS]["sha256"]
+
+
+# The workflow's two calls: the aggregating cluster combines the sites' adapters (weights by the tokens
+# their manifests record), and every cluster merges that adapter into the round's start model itself.
+
+
+def manifest(path: Path, site: str, tokens: int) -> str:
+    path.write_text(json.dumps({"site": site, "splits": {"train": {"tokens_kept": tokens}}}))
+    return f"{site}={path}"
+
+
+def test_cli_weights_by_tokens_and_merge_gives_what_merge_into_gives(two_ranks, llama_base, tmp_path):
+    import shutil
+
+    from fedtune.checksums import sha256_file
+    from fedtune.models import record_checksums
+
+    low, high = two_ranks
+    # A base as fedtune writes one, with its checksum record: the merge verifies the bytes it reads.
+    llama_base = Path(shutil.copytree(llama_base, tmp_path / "base"))
+    record_checksums(llama_base, {"model.safetensors": sha256_file(llama_base / "model.safetensors")})
+    manifests = [manifest(tmp_path / "a.json", "a", 1000), manifest(tmp_path / "b.json", "b", 3000)]
+    out = tmp_path / "aggregate"
+    code = main(["--adapters", f"a={low}", f"b={high}", "--weights", "tokens", "--manifest", *manifests,
+                 "--output", str(out), "--merge-into", str(llama_base)])  # fmt: skip
+    assert code == 0
+    record = json.loads((out / "aggregate.json").read_text())
+    assert record["weights"]["normalised"] == {"a": 0.25, "b": 0.75}
+    expected = expected_mean([low, high], [0.25, 0.75])
+
+    merged = tmp_path / "merged"
+    assert main(["--merge", str(out), "--base", str(llama_base), "--output", str(merged)]) == 0
+    got = load_file(merged / "model.safetensors")
+    # Bit for bit what the aggregating run merged: every cluster starts the next round from the same weights.
+    reference = load_file(out / "merged" / "model.safetensors")
+    assert got.keys() == reference.keys()
+    assert all(torch.equal(got[k], reference[k]) for k in got)
+    base = base_state(LlamaForCausalLM, llama_base)
+    for name, update in expected.items():
+        assert rel_error(got[name] - base[name], update) < 1e-6, name
+    assert AutoModelForCausalLM.from_pretrained(merged) is not None
+
+
+def test_cli_refuses_tokens_without_manifests_and_merge_without_base(two_ranks, tmp_path, capsys):
+    low, high = two_ranks
+    code = main(
+        ["--adapters", f"a={low}", f"b={high}", "--weights", "tokens", "--output", str(tmp_path / "o")]
+    )
+    assert (
+        code == 2 and "--weights tokens needs --manifest SITE=PATH for every site" in capsys.readouterr().err
+    )
+    assert main(["--merge", str(low), "--output", str(tmp_path / "m")]) == 2
+    assert "--merge needs --base" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists() and not (tmp_path / "m").exists()

@@ -98,16 +98,10 @@ def test_adapter_checkpoints_hold_the_adapter_only(adapter_run):
     assert not any("embed_tokens" in k or "mlp" in k for k in keys)
 
 
-# The same steps on the other backends: DDP (sharding none) and ZeRO-3 partitions hold the frozen base
-# beside the adapter; only the reduction order differs.
+# The same steps on the other backends: DDP (sharding none) and ZeRO-2 hold the frozen base whole beside
+# the adapter; only the reduction order differs. ZeRO-3's partitions: the resume test below.
 @pytest.mark.parametrize(
-    "options",
-    [
-        {"sharding": "none"},
-        {"backend": "deepspeed", "zero_stage": 3},
-        {"backend": "deepspeed", "zero_stage": 1},
-    ],
-    ids=["ddp", "zero3", "zero1"],
+    "options", [{"sharding": "none"}, {"backend": "deepspeed", "zero_stage": 2}], ids=["ddp", "zero2"]
 )
 def test_every_backend_trains_the_same_adapter(tiny_model_dir, site_manifest, adapter_run, tmp_path, options):
     run_training(tiny_model_dir, site_manifest, tmp_path, ADAPTER_OPTIONS | options)
@@ -123,6 +117,7 @@ def test_bf16_adapter_trains(tiny_model_dir, site_manifest, tmp_path):
     assert all(t.dtype == torch.float32 for t in adapter_tensors(tmp_path / "model").values())
 
 
+# ZeRO-3 resumed is compared with the FSDP run: it trains the same adapter, across a restart.
 @pytest.mark.parametrize("options", [{}, {"backend": "deepspeed", "zero_stage": 3}], ids=["fsdp", "zero3"])
 def test_killed_adapter_training_resumes_to_the_same_adapter(
     tiny_model_dir, site_manifest, adapter_run, tmp_path, options

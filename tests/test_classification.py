@@ -336,7 +336,13 @@ def test_report_tabulates_accuracy_and_macro_f1(tmp_path):
 # -- the workflow ---------------------------------------------------------------------------------------
 
 
-def test_classification_runs_end_to_end_on_cpu(tmp_path):
+# With an adapter (train.adapter) the sites train LoRA on every linear layer plus the new head (peft's
+# SEQ_CLS keeps the classifier whole), evaluated as base + adapter, aggregated exactly.
+ADAPTER = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"}
+
+
+@pytest.mark.parametrize("adapter", [None, ADAPTER], ids=["full", "adapter"])
+def test_classification_runs_end_to_end_on_cpu(tmp_path, adapter):
     """Labelled reviews at two sites, a tiny Llama classifier from scratch, FSDP on 2 CPU processes:
     each site model beats the base model's accuracy on its own test set, and the report tables it."""
     from fedtune.demo_data import write_reviews
@@ -373,6 +379,7 @@ def test_classification_runs_end_to_end_on_cpu(tmp_path):
             "warmup_steps": 3,
             "checkpoint_every": 0,
             "processes_per_node": 2,
+            "adapter": adapter,
         },
     }
     write_config(tmp_path, config)
@@ -395,6 +402,19 @@ def test_classification_runs_end_to_end_on_cpu(tmp_path):
     merged = load_model(run / "round-1" / "aggregate" / "model", task=CLASSIFICATION)
     assert merged.config.num_labels == NUM_LABELS
     assert np.isfinite(merged.score.weight.detach().numpy()).all()
+    if adapter:
+        from safetensors.torch import load_file
+
+        heads = []
+        for site in ("alpha", "beta"):
+            saved = load_file(run / "round-1" / site / "model" / "adapter_model.safetensors")
+            heads.append(saved["base_model.model.score.weight"])
+            assert any(".lora_A." in name for name in saved)
+            assert json.loads((run / "round-1" / "eval" / site / f"{site}.json").read_text())["base"]
+        # The heads were trained whole and averaged by token weights into the merged model's head.
+        assert not torch.equal(heads[0], heads[1])
+        low, high = torch.minimum(*heads), torch.maximum(*heads)
+        assert ((merged.score.weight >= low - 1e-6) & (merged.score.weight <= high + 1e-6)).all()
 
 
 def test_two_classes_the_default_transformers_leaves_out_of_config_json(tmp_path):

@@ -4,6 +4,7 @@ sharding and ZeRO stage, beats the base model on every site's own test set, and 
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -219,14 +220,11 @@ def check_adapter_run(config: dict, run: Path, workdir: Path) -> None:
         for r in range(1, rounds + 1):
             folder = run / f"round-{r}" / site / "model"
             assert (folder / "adapter_config.json").is_file() and not (folder / "model.safetensors").exists()
-            computed = transfer_bytes(
-                model_config, {"r": adapter["r"], "target_modules": adapter["target_modules"]},
-                adapter_dtype=config["model"]["dtype"],
-            )  # fmt: skip
+            lora = {k: adapter[k] for k in ("r", "target_modules", "modules_to_save") if adapter.get(k)}
+            computed = transfer_bytes(model_config, lora, adapter_dtype=config["model"]["dtype"])
             # The stored tensors are the computed bytes; the file adds its small JSON header.
             stored = (folder / "adapter_model.safetensors").stat().st_size
             assert computed["adapter_bytes"] <= stored < computed["adapter_bytes"] + 20_000, (site, r)
-            assert computed["ratio"] < 0.5
             sent = training[(training["round"] == r) & (training["site"] == site)]["sent_mb"].item()
             assert sent * 1e6 == pytest.approx(sum(p.stat().st_size for p in folder.iterdir()), rel=1e-3)
             start = json.loads((folder / "training.json").read_text())["init"]
@@ -238,3 +236,45 @@ def check_adapter_run(config: dict, run: Path, workdir: Path) -> None:
     # The dry run states the bytes from the same shapes.
     dry = snakemake(workdir, "-n", check=False)
     assert f"adapters: site {next(iter(config['sites']))}: adapter" in dry.stderr, dry.stderr[-2000:]
+    if (
+        config.get("aggregate", {}).get("adapter_merge", "exact") == "exact"
+        and len({merged_train(config, site)["adapter"]["r"] for site in config["sites"]}) == 1
+    ):
+        # The same site adapters averaged factor by factor do no better on any site than the exact mean.
+        factors = factor_averaging_scores(config, run, workdir / "factors")
+        for site, factor in factors.items():
+            exact = json.loads((run / f"round-{rounds}" / "eval" / "aggregate" / f"{site}.json").read_text())
+            assert exact["perplexity"] <= factor, (site, exact["perplexity"], factor)
+
+
+def factor_averaging_scores(config: dict, run: Path, out: Path) -> dict[str, float]:
+    """The last round's site adapters combined by factor averaging instead, merged into the same start
+    and evaluated as the workflow evaluates the aggregate: perplexity per site."""
+    from fedtune.config import build_run_config
+
+    settings = build_run_config(copy.deepcopy(config), source="twin", base_dir=ROOT)
+    last = settings.rounds
+    start = run / "model" / "base" if last == 1 else run / f"round-{last - 1}" / "aggregate" / "model"
+    sites = list(settings.sites)
+
+    def fedtune(*args):
+        subprocess.run([sys.executable, "-m", *args], check=True, capture_output=True, text=True, cwd=ROOT)
+
+    fedtune(
+        "fedtune.adapter_aggregate", "--mode", "average_factors", "--output", str(out / "adapter"),
+        "--weights", "tokens", "--adapters", *[f"{s}={run / f'round-{last}' / s / 'model'}" for s in sites],
+        "--manifest", *[f"{s}={run / 'data' / s / 'manifest.json'}" for s in sites],
+    )  # fmt: skip
+    fedtune("fedtune.adapter_aggregate", "--merge", str(out / "adapter"), "--base", str(start), "--output",
+            str(out / "model"))  # fmt: skip
+    scores = {}
+    for site in sites:
+        result = out / f"{site}.json"
+        fedtune(
+            "fedtune.evaluate", "--model", str(out / "model"), "--data", str(run / "data" / site / "raw"),
+            "--split", "test", "--text-field", settings.sites[site].dataset["text_field"],
+            "--template", settings.sites[site].prompt_template, "--options", settings.evaluate.to_json(),
+            "--out", str(result),
+        )  # fmt: skip
+        scores[site] = json.loads(result.read_text())["perplexity"]
+    return scores
