@@ -61,6 +61,29 @@ def check_quantize(adapter: dict, device) -> None:
         ) from None
 
 
+def load_quantized(model_dir, *, task: str, device, allow_pickle: bool = False):
+    """QLoRA's base: the model's linear layers in 4-bit NF4 (bitsandbytes) on this rank's GPU, the
+    rest in bf16, ready for peft (`prepare_model_for_kbit_training`). CUDA only (check_quantize)."""
+    import torch
+    from peft import prepare_model_for_kbit_training
+    from transformers import BitsAndBytesConfig
+
+    from fedtune.models import auto_class, check_loadable
+
+    check_loadable(model_dir, task=task, allow_pickle=allow_pickle, verify=True)
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+    model = auto_class(task).from_pretrained(
+        model_dir, quantization_config=quantization, dtype=torch.bfloat16,
+        device_map={"": device.index or 0}, use_safetensors=not allow_pickle,
+    )  # fmt: skip
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
 def wrap(model, adapter: dict, task: str):
     """The model with a fresh LoRA adapter: only the adapter (and modules_to_save) requires grad. The
     adapter's A matrices are drawn from torch's generator, so ranks seeded alike build the same one."""

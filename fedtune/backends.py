@@ -322,7 +322,8 @@ class DDPBackend(_TorchBackend):
     def __init__(self, model, options: TrainOptions, job: Job, accumulation: int):
         from torch.nn.parallel import DistributedDataParallel
 
-        model.to(job.device)
+        if not getattr(model, "is_loaded_in_4bit", False):  # a QLoRA base is placed on its GPU already
+            model.to(job.device)
         device_ids = [job.device.index] if job.device.type == "cuda" else None
         wrapped = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
         # FSDP casts parameters for mixed precision; DDP keeps fp32 parameters, so autocast does it.

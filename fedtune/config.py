@@ -337,11 +337,19 @@ class TrainOptions(_Options):
             )
         if self.deepspeed_extra and not deepspeed:
             raise ConfigError(f"{where}deepspeed_extra: given, but backend is {self.backend}")
-        if self.adapter and self.adapter["quantize"] != "none" and self.device == "cpu":
-            raise ConfigError(
-                f"{where}adapter.quantize: {self.adapter['quantize']} (QLoRA, bitsandbytes) needs a CUDA "
-                "device, but device is cpu; use quantize: none"
-            )
+        if self.adapter and self.adapter["quantize"] != "none":
+            if self.device == "cpu":
+                raise ConfigError(
+                    f"{where}adapter.quantize: {self.adapter['quantize']} (QLoRA, bitsandbytes) needs a CUDA "
+                    "device, but device is cpu; use quantize: none"
+                )
+            # A 4-bit base is a replica per GPU: sharding it would need bitsandbytes' quant storage under
+            # FSDP or ZeRO-3, which fedtune does not set up.
+            if not (self.fsdp and self.sharding == "none"):
+                raise ConfigError(
+                    f"{where}adapter.quantize: {self.adapter['quantize']} needs backend fsdp with sharding none "
+                    "(plain data parallel over a 4-bit base on every GPU)"
+                )
         # Set by scripts/clusters/iris.sh: V100s have no bf16, and emulating it would be slow and silent.
         if self.precision == "bf16" and os.environ.get("FEDTUNE_NO_BF16") == "1":
             raise ConfigError(f"{where}precision: bf16, but this cluster's GPUs have none; use fp16 or fp32")

@@ -74,6 +74,13 @@ def _load_backend(
     from fedtune.models import load_model
 
     if not loads_once(options, model_dir, allow_pickle):
+        if options.adapter and options.adapter["quantize"] == "4bit":
+            from fedtune import adapters
+
+            model = adapters.load_quantized(
+                model_dir, task=task, device=job.device, allow_pickle=allow_pickle
+            )
+            return backends.build(adapters.wrap(model, options.adapter, task), options, job, accumulation)
         # One process per node hashes the starting weights; the others would only read them again.
         model = load_model(
             model_dir, task=task, dtype="float32", allow_pickle=allow_pickle, verify=job.local_rank == 0

@@ -56,6 +56,7 @@ def test_the_lora_examples_are_valid_and_every_site_trains_an_adapter():
             {"train__device": "cpu", "train__adapter": {"quantize": "4bit"}},
             "needs a CUDA device, but device is cpu",
         ),
+        ({"train__adapter": {"quantize": "4bit"}}, "quantize: 4bit needs backend fsdp with sharding none"),
         ({"train__adapter": {"r": 0}}, "train.adapter.r: 0 is less than the minimum of 1"),
         ({"train__adapter": {"method": "dora"}}, "train.adapter.method: 'dora' is not one of ['lora']"),
     ],

@@ -142,7 +142,8 @@ def test_quantized_adapter_is_refused_on_cpu(tiny_model_dir, site_manifest, tmp_
     from tests.train_runs import env
 
     adapter = ADAPTER | {"quantize": "4bit"}
-    options = ADAPTER_OPTIONS | {"adapter": adapter, "processes_per_node": 1}
+    # device auto: the job finds no CUDA device at start, before it loads the model.
+    options = ADAPTER_OPTIONS | {"adapter": adapter, "processes_per_node": 1, "sharding": "none"}
     result = subprocess.run(
         train_args(tiny_model_dir, site_manifest, tmp_path, options), capture_output=True, text=True,
         env=env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())), timeout=RUN_TIMEOUT,
