@@ -32,9 +32,12 @@ def _rsync(rsync: str, source: str, dest: str, hint: str, *options: str) -> None
 def _check_complete(path: Path, source: str, hint: str) -> None:
     if path.is_file():
         return
-    if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
+    # A model folder, or a PEFT adapter folder (train.adapter: what sites send then).
+    described = (path / "config.json").is_file() or (path / "adapter_config.json").is_file()
+    if not described or not any(path.glob("*.safetensors")):
         raise TransferError(
-            f"{source} is not a complete model folder (config.json and *.safetensors expected); "
+            f"{source} is not a complete model or adapter folder (config.json or adapter_config.json, "
+            "and *.safetensors expected); "
             f"it may still be in training. {hint}"
         )
 

@@ -11,7 +11,7 @@ import pytest
 
 from fedtune.transfer import TransferError, fetch
 
-from .workflow_harness import demo_config, job_counts, snakemake, write_config
+from .workflow_harness import demo_config, dry_run, job_counts, snakemake, write_config
 
 
 def test_fetch_copies_a_model_folder_completely(tiny_model_dir, tmp_path):
@@ -20,13 +20,34 @@ def test_fetch_copies_a_model_folder_completely(tiny_model_dir, tmp_path):
         assert (out / path.name).read_bytes() == path.read_bytes()
 
 
+def test_fetch_copies_an_adapter_folder(tmp_path):
+    # What a site sends with train.adapter: a PEFT folder, no config.json.
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 4}')
+    (adapter / "adapter_model.safetensors").write_bytes(b"\x08" + b"\x00" * 7 + b"{}      ")
+    (adapter / "training.json").write_text("{}")
+    out = fetch(str(adapter), tmp_path / "copy")
+    assert sorted(p.name for p in out.iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "training.json",
+    ]
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "adapter_config.json").write_text('{"r": 4}')
+    with pytest.raises(TransferError, match="not a complete model or adapter folder"):
+        fetch(str(tmp_path / "half"), tmp_path / "copy2")
+
+
 def test_fetch_refuses_a_missing_or_incomplete_source(tmp_path):
     with pytest.raises(TransferError, match="rsync exit .*run this there"):
         fetch(str(tmp_path / "absent"), tmp_path / "out", hint="run this there")
     partial = tmp_path / "partial"
     partial.mkdir()
     (partial / "config.json").write_text("{}")
-    with pytest.raises(TransferError, match="not a complete model folder.*may still be in training"):
+    with pytest.raises(
+        TransferError, match="not a complete model or adapter folder.*may still be in training"
+    ):
         fetch(str(partial), tmp_path / "out")
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
@@ -79,3 +100,28 @@ def test_a_missing_remote_names_the_command_to_run_where(tmp_path, tiny_model_di
     message = result.stdout + result.stderr
     assert "snakemake --profile profiles/karolina results/demo/round-1/beta/model" in message
     assert "federation.remotes.karolina" in message
+
+
+def test_with_adapters_only_adapters_cross_and_each_cluster_merges_the_aggregate(tmp_path, tiny_model_dir):
+    """On karolina (the models meet on leonardo): round 2 of beta needs round 1's aggregate adapter from
+    leonardo, merged here into the round's start model; no model crosses."""
+    karolina = tmp_path / "karolina"
+    karolina.mkdir()
+    config = demo_config(cluster="karolina")
+    config["sites"]["alpha"]["cluster"] = "leonardo"
+    config["sites"]["beta"]["cluster"] = "karolina"
+    config["train"] = {**config["train"], "adapter": {"r": 4}}
+    config["aggregate"] = {"adapter_merge": "exact"}
+    config["federation"] = {"rounds": 2, "aggregate_on": "leonardo", "remotes": {"leonardo": "me@leo:/run"}}
+    write_config(karolina, config)
+    jobs = dry_run(karolina, "results/demo/round-2/beta/model")
+    by_rule = {job.name: job for job in jobs}
+    assert "aggregate_adapters" not in by_rule and "aggregate" not in by_rule
+    assert "--source me@leo:/run/round-1/aggregate/adapter " in by_rule["fetch_aggregate"].shell
+    merge = by_rule["merge_adapter"].shell
+    assert "--merge results/demo/round-1/aggregate/adapter --base results/demo/model/base" in merge
+    assert "--output results/demo/round-1/aggregate/model" in merge
+    # Round 1 of beta is leonardo's input (fetched from here), not this target's.
+    (train,) = [job for job in jobs if job.name == "train"]
+    assert train.wildcards == {"round": "2", "site": "beta"}
+    assert "--init results/demo/round-1/aggregate/model" in train.shell
