@@ -29,7 +29,7 @@ import yaml
 from fedtune.atomic import atomic_dir, write_text
 from fedtune.config import ConfigError, check_config, deep_merge, load_config, torch_dtype, validate_section
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository: example configs name files from there
 
 # Sizes of every twin: blocks of 64 tokens and about ten optimizer steps per site, the most that keeps
 # the six example twins within minutes on two cores (each job's imports alone take seconds). The dataset
