@@ -674,7 +674,9 @@ def make_twin(example_path: str | Path, assets: str | Path, out: str | Path) -> 
     unexplained = [path for path in differences(example, twin) if allowed_by(path) is None]
     if unexplained:
         raise AssertionError(f"{example_path}: the twin changes {unexplained}, which it may not")
-    names = {site["dataset"]["name"] for site in example["sites"].values()}
+    names = {
+        site["dataset"]["name"] for site in example["sites"].values() if site["dataset"]["source"] == "hf"
+    }
     for name in sorted(names):
         build_dataset(name, assets)
     if example["model"]["source"] == "hf":
