@@ -117,6 +117,8 @@ def write_adapter(model, state: dict, folder: Path, dtype: str) -> None:
     if not tensors:
         raise AdapterError(f"{folder}: the adapter has no tensors (nothing was trainable)")
     save_file(tensors, str(Path(folder) / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    # Readable by the group, as the full model's export: another account may aggregate or fetch it.
+    (Path(folder) / ADAPTER_WEIGHTS).chmod(0o644)
     config = model.peft_config["default"]
     config.save_pretrained(str(folder))
 

@@ -59,6 +59,8 @@ def test_fsdp_adapter_exports_a_peft_folder_that_peft_loads(adapter_run, referen
     assert {p.name for p in out.iterdir()} == {
         "adapter_config.json", "adapter_model.safetensors", "training.json", "loss.csv",
     }  # fmt: skip
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        assert (out / name).stat().st_mode & 0o044 == 0o044, name  # readable by the group and others
     tensors = adapter_tensors(out)
     # One A and one B per adapted projection and layer, and nothing of the frozen base.
     assert len(tensors) == 2 * 2 * LAYERS
