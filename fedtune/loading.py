@@ -117,7 +117,10 @@ def _load_zero3(
 
     # from_pretrained finds the config through a weak reference: it must stay referenced until the
     # model is loaded, and must be gone after, or later loads (the export's) would be partitioned too.
-    config = HfDeepSpeedConfig(backends.deepspeed_config(options, accumulation, job.device))
+    # Without train_batch_size: DeepSpeed checks it against its own process group, not started yet
+    # (deepspeed.initialize starts it); it derives the same batch from the micro batch and accumulation.
+    ds_config = backends.deepspeed_config(options, accumulation, job.device)
+    config = HfDeepSpeedConfig({k: v for k, v in ds_config.items() if k != "train_batch_size"})
     try:
         model = load_model(
             model_dir, task=task, dtype="float32", allow_pickle=allow_pickle, verify=job.local_rank == 0
@@ -127,7 +130,14 @@ def _load_zero3(
         del config
     model.config.use_cache = False
     if job.is_main:
-        print("loading: partitioned while created (deepspeed.zero.Init)", flush=True)
+        # What this rank holds of the model: its partitions (ds_tensor), not the whole (ds_numel).
+        held = sum(p.ds_tensor.numel() for p in model.parameters()) / sum(
+            p.ds_numel for p in model.parameters()
+        )
+        print(
+            f"loading: partitioned while created (deepspeed.zero.Init), {held:.3f} of it on rank 0",
+            flush=True,
+        )
     return backends.build(model, options, job, accumulation)
 
 
