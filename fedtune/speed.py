@@ -6,7 +6,9 @@
     pin_batch(device, *tensors)            page-locked host copies sent with non_blocking=True
 
 None of them changes a parameter name, so checkpoints, the exported state dict and the aggregate stage
-see the same model whichever are on (benchmarks/gpu_training.py measures what they gain)."""
+see the same model whichever are on. fedtune.backends applies them (`prepare_layers` for the train
+options `compile` and `gradient_checkpointing: N`, `adamw`, `model_inputs`); benchmarks/gpu_training.py
+measures what they gain. A leaf: it imports nothing from fedtune, so that backends can import it."""
 
 from __future__ import annotations
 

@@ -30,10 +30,11 @@ def test_compiled_layers_train_like_eager(tiny_model_dir, site_manifest, referen
     assert summary["options"]["compile"] is True
     # Inductor fuses the layer's operations and accumulates its reductions in another order: fp32
     # rounding differs by ~1e-7 relative per operation and grows a little over 8 Adam steps (measured:
-    # at most 2e-6 on losses near 6). 1e-4 is 50x that and still far below what a wrong gradient moves
-    # (the first step alone changes the loss by ~0.1).
+    # at most 1e-6, the last digit loss.csv prints, on losses near 5). 1e-4 leaves room for another
+    # machine's kernels and is still far below what a wrong gradient moves (each step lowers the loss by
+    # 0.1-0.25).
     assert losses(tmp_path / "model") == pytest.approx(losses(reference_run / "model"), abs=1e-4)
-    assert grad_norms(tmp_path / "model") == pytest.approx(grad_norms(reference_run / "model"), rel=1e-3)
+    assert grad_norms(tmp_path / "model") == pytest.approx(grad_norms(reference_run / "model"), rel=1e-4)
 
 
 def test_selective_checkpointing_trains_like_none(tiny_model_dir, site_manifest, reference_run, tmp_path):
