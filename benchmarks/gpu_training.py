@@ -10,17 +10,23 @@ data are random token ids from a seed, the same rows in the same order for every
 same micro batch, accumulation, sequence length, steps, precision, AdamW (0.9/0.95, eps 1e-8) at a
 constant learning rate and clipping at 1.0; each runs in a fresh process (so its peak memory is its own):
 
-- fsdp:            fedtune.backends.build with the options train.py gives it (backend fsdp, sharding full),
-                   the loop of fedtune.train (forward_backward per micro batch, step once per step);
-- fsdp_fast:       the same plus fedtune.speed: torch.compile per decoder layer, fused AdamW, batches copied
-                   from pinned memory with non_blocking, and (with --checkpoint-every N) selective activation
-                   checkpointing of every N-th layer;
-- deepspeed_zero2, deepspeed_zero3: fedtune.backends.build with backend deepspeed, zero_stage 2 / 3;
-- hf_trainer:      transformers.Trainer on the same model and rows (sequential sampler), bf16 autocast, fused
+- fsdp:            fedtune's train stage with its default speed options: fedtune.backends.build from
+                   TrainOptions (backend fsdp, sharding full), whose AdamW is fused on CUDA and whose batches
+                   are copied from pinned memory with non_blocking, and fedtune.train.train_step per step
+                   (micro batches with accumulation, the optimizer step, the loss all-reduce: one host sync);
+- fsdp_fast:       the same with the train options `compile: true` (torch.compile per decoder layer) and,
+                   with --checkpoint-every N, `gradient_checkpointing: N` (every N-th layer);
+- deepspeed_zero2, deepspeed_zero3: the same loop, TrainOptions backend deepspeed, zero_stage 2 / 3;
+- hf_trainer:      transformers.Trainer on the same model and rows in the same order, bf16 autocast, fused
                    AdamW on CUDA, its defaults otherwise.
 
 Tokens/s is over the steps after --measure-after (compilation and first allocations left out); every step
-ends in a host sync in both loops (fedtune reads the gradient norm, the Trainer's callback synchronises).
+ends in a host sync in both loops (fedtune's loss all-reduce, the Trainer's callback synchronises).
+
+Runs go in the order of RUNS (the goal's pair first) while the --budget-s allows (default 480 s, for a GPU
+session of 10 minutes); a run that fails or runs out of time is reported as such and the others go on. All
+files (caches of inductor, triton and torch extensions, the Trainer's output, temporary files) go to a
+temporary folder removed at the end, or to --workdir; --logs keeps each run's log.
 
 MFU (model FLOPs utilisation) = tokens/s x FLOPs per token / the GPU's dense bf16 peak (PEAK_TFLOPS), with
 
@@ -90,10 +96,11 @@ ARCHITECTURES = {
     },
 }
 
+# The train options of each fedtune run (hf_trainer: None); the goal's pair first, for a short session.
 RUNS = {
+    "fsdp_fast": {"backend": "fsdp", "sharding": "full", "compile": True},
     "hf_trainer": None,
     "fsdp": {"backend": "fsdp", "sharding": "full"},
-    "fsdp_fast": {"backend": "fsdp", "sharding": "full"},
     "deepspeed_zero2": {"backend": "deepspeed", "zero_stage": 2},
     "deepspeed_zero3": {"backend": "deepspeed", "zero_stage": 3},
 }
@@ -138,14 +145,43 @@ def build_model(spec: dict):
     return LlamaForCausalLM(config)  # fp32 on the host, as fedtune.train loads it
 
 
-def batches(spec: dict):
-    """The run's micro batches, in order: (input_ids, labels) of micro x seq random tokens."""
-    import torch
+class RandomBlocks:
+    """Random token blocks with the interface fedtune.train reads from fedtune.blocks.Blocks: the
+    training data of every run, the same rows from the same seed."""
 
-    generator = torch.Generator().manual_seed(spec["seed"] + 1)
-    shape = (spec["micro_batch"], spec["seq"])
-    rows = [torch.randint(spec["architecture"]["vocab_size"], shape, generator=generator) for _ in range(4)]
-    return [(ids, ids.clone()) for ids in rows]
+    classification = False
+
+    def __init__(self, spec: dict):
+        import torch
+
+        self.block_size = spec["seq"]
+        generator = torch.Generator().manual_seed(spec["seed"] + 1)
+        # One global batch of rows, seen every step (in a new order each time): random tokens can only
+        # be memorised, so the loss falls in a few steps only on rows seen before.
+        shape = (spec["micro_batch"] * spec["accumulation"], spec["seq"])
+        self.rows = torch.randint(spec["architecture"]["vocab_size"], shape, generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def get(self, indices):
+        ids = self.rows[list(indices)]
+        return ids, ids.clone()
+
+    def attention_mask(self, indices):
+        return None
+
+
+def data_order(spec: dict):
+    """fedtune.blocks.BlockOrder over RandomBlocks (one process) and the micro batches it gives, in
+    training order: the Trainer gets the same rows in the same order."""
+    from fedtune.blocks import BlockOrder
+
+    blocks = RandomBlocks(spec)
+    global_batch = spec["micro_batch"] * spec["accumulation"]
+    order = BlockOrder(len(blocks), global_batch, spec["micro_batch"], 1, spec["seed"])
+    micro = [indices for step in range(spec["steps"]) for indices in order.micro_batches(step, 0)]
+    return blocks, order, micro
 
 
 def peak_memory_mb(device) -> float:
@@ -164,20 +200,16 @@ def synchronize(device) -> None:
 
 
 def fedtune_worker(spec: dict) -> dict:
-    import torch
+    from types import SimpleNamespace
 
-    from fedtune import backends, distributed, speed
+    from fedtune import distributed, loading, speed, train
     from fedtune.config import TrainOptions
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    job = distributed.start(spec["device"])
-    fast = spec["name"] == "fsdp_fast"
-    model = build_model(spec)
-    accumulation = spec["accumulation"]
     options = TrainOptions.from_mapping(
         {
             **RUNS[spec["name"]],
@@ -186,64 +218,72 @@ def fedtune_worker(spec: dict) -> dict:
             "precision": spec["precision"],
             "device": spec["device"],
             "micro_batch": spec["micro_batch"],
-            "global_batch": spec["micro_batch"] * accumulation,
+            "global_batch": spec["micro_batch"] * spec["accumulation"],
             "lr": spec["lr"],
             "betas": [0.9, 0.95],
             "weight_decay": 0.0,
             "grad_clip": 1.0,
-            "gradient_checkpointing": bool(spec["checkpoint_every"]) and not fast,
+            **options_of(spec),
         },
         source=f"gpu_training {spec['name']}",
     )
-    if fast:
-        if spec["checkpoint_every"]:
-            speed.selective_checkpointing(model, every=spec["checkpoint_every"])
-        if spec["compile"]:
-            speed.compile_layers(model)
-    backend = backends.build(model, options, job, accumulation)
-    if fast:
-        # What backends.adamw would build with speed.adamw_implementation (the report names the line).
-        backend.optimizer = torch.optim.AdamW(
-            backend.model.parameters(), lr=spec["lr"], betas=(0.9, 0.95), weight_decay=0.0,
-            eps=backends.ADAM_EPS, **speed.adamw_implementation(job.device),
-        )  # fmt: skip
-    rows = batches(spec)
+    job = distributed.start(options.device)
+    model_dir = Path(spec["model_dir"])
+    # As fedtune.train loads its starting weights (meta device for FSDP, zero.Init for ZeRO-3).
+    backend = loading.load_backend(model_dir, options, job, spec["accumulation"], task="causal-lm")
+    blocks, order, _ = data_order(spec)
+    run = SimpleNamespace(blocks=blocks, order=order, job=job, backend=backend)
+    stop = SimpleNamespace(signal=None)
     durations, losses = [], []
     synchronize(job.device)
     for step in range(spec["steps"]):
         t0 = time.perf_counter()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=job.device)
-        for m in range(accumulation):
-            input_ids, labels = rows[(step * accumulation + m) % len(rows)]
-            if fast:
-                input_ids, labels = speed.pin_batch(job.device, input_ids, labels)
-            micro = backend.forward_backward(input_ids, labels, 1.0, last=m == accumulation - 1)
-            loss_sum += micro.double()
-        backend.step(spec["lr"])  # returns the gradient norm as a float: the step's one host sync
-        losses.append(float(loss_sum) / accumulation)
+        loss, _, _, _ = train.train_step(run, step, spec["lr"], stop)
+        losses.append(loss)
         durations.append(time.perf_counter() - t0)
     out = {"durations": durations, "losses": losses, "peak_mem_mb": peak_memory_mb(job.device)}
-    if fast:
-        out["compiled_layers"] = speed.compiled_layers(backend.model)
+    out["compiled_layers"] = speed.compiled_layers(backend.model if options.fsdp else backend.engine.module)
+    out["options"] = options.to_dict()
     distributed.stop()
     return out
 
 
+def options_of(spec: dict) -> dict:
+    """The speed options of a fedtune run: fsdp_fast compiles (unless --no-compile) and checkpoints every
+    N-th layer; the others checkpoint every layer when --checkpoint-every is given."""
+    fast = spec["name"] == "fsdp_fast"
+    every = spec["checkpoint_every"]
+    return {
+        "compile": fast and spec["compile"],
+        "gradient_checkpointing": (every if fast else True) if every else False,
+    }
+
+
+def save_model(spec: dict) -> int:
+    """The starting weights, written once by the driver for every run (fedtune loads from a folder, and
+    checks it as the download stage leaves it); returns the parameter count. In bf16 for a bf16 run, as
+    Llama checkpoints come, which halves the writing and hashing; every run converts them to fp32."""
+    import torch
+
+    from fedtune.models import record_checksums
+
+    model = build_model(spec)
+    if spec["precision"] == "bf16":
+        model = model.to(torch.bfloat16)
+    model.save_pretrained(spec["model_dir"])
+    record_checksums(spec["model_dir"])
+    return sum(p.numel() for p in model.parameters())
+
+
 def trainer_worker(spec: dict) -> dict:
     import torch
-    from datasets import Dataset
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
     device = torch.device(spec["device"])
-    model = build_model(spec)
-    rows = batches(spec)
-    order = [rows[i % len(rows)] for i in range(spec["steps"] * spec["accumulation"])]
-    data = Dataset.from_dict(
-        {
-            "input_ids": [r.tolist() for ids, _ in order for r in ids],
-            "labels": [r.tolist() for _, labels in order for r in labels],
-        }
-    ).with_format("torch")
+    model = LlamaForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
+    blocks, _, micro = data_order(spec)
+    # A plain list of rows: the Trainer takes any sized dataset (no `datasets` needed on the GPU machine).
+    data = [{"input_ids": row, "labels": row.clone()} for indices in micro for row in blocks.get(indices)[0]]
 
     class StepTimes(TrainerCallback):
         def __init__(self):
@@ -308,26 +348,51 @@ def worker(spec: dict) -> None:
 # -- the driver ------------------------------------------------------------------------------------
 
 
-def run_one(spec: dict, tmp: Path) -> dict:
-    spec = {**spec, "result": str(tmp / f"{spec['name']}.json"), "scratch": str(tmp / spec["name"])}
-    log = tmp / f"{spec['name']}.log"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+def contained_env(work: Path) -> dict:
+    """The workers' environment: every cache and temporary file of the stack inside `work`, unless the
+    caller chose a folder (the tests share compiled DeepSpeed ops between runs that way)."""
+    folders = {
+        "TMPDIR": "tmp",
+        "TORCHINDUCTOR_CACHE_DIR": "inductor",
+        "TRITON_CACHE_DIR": "triton",
+        "TORCH_EXTENSIONS_DIR": "torch-extensions",
+        "HF_HOME": "hf-home",
+        "XDG_CACHE_HOME": "cache",
+    }
+    env = {name: os.environ.get(name) or str(work / folder) for name, folder in folders.items()}
+    for folder in env.values():
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    pythonpath = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, **env, "PYTHONPATH": pythonpath, "HF_HUB_OFFLINE": "1"}
+
+
+def run_one(spec: dict, work: Path, timeout: float, logs: Path | None) -> dict:
+    """One run in its own process; {"error": ...} instead of its figures when it fails or times out."""
+    name = spec["name"]
+    spec = {**spec, "result": str(work / f"{name}.json"), "scratch": str(work / name)}
+    log = (logs or work) / f"{name}.log"
     start = time.perf_counter()
     with open(log, "w") as stream:
-        code = subprocess.run(
-            [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
-            cwd=ROOT, env=env, stdout=stream, stderr=subprocess.STDOUT,
-        ).returncode  # fmt: skip
+        try:
+            code = subprocess.run(
+                [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
+                cwd=ROOT, env=contained_env(work), stdout=stream, stderr=subprocess.STDOUT, timeout=timeout,
+            ).returncode  # fmt: skip
+        except subprocess.TimeoutExpired:
+            return {"error": f"stopped after {timeout:.0f} s (--budget-s)"}
     wall = time.perf_counter() - start
     if code != 0:
         tail = "".join(log.read_text().splitlines(keepends=True)[-40:])
-        raise RuntimeError(f"{spec['name']} exited {code}; the end of its log:\n{tail}")
+        print(f"[gpu benchmark] {name} exited {code}; the end of its log:\n{tail}", file=sys.stderr)
+        return {"error": f"exited {code}: " + (tail.strip().splitlines() or [""])[-1][:300]}
     out = json.loads(Path(spec["result"]).read_text())
     out["wall_s"] = wall
     return out
 
 
 def summarise(spec: dict, raw: dict, flops: dict, peak: float | None) -> dict:
+    if "error" in raw:
+        return {"error": raw["error"]}
     measured = raw["durations"][spec["measure_after"] :]
     tokens_per_step = spec["micro_batch"] * spec["accumulation"] * spec["seq"]
     tokens_per_s = len(measured) * tokens_per_step / sum(measured)
@@ -344,8 +409,9 @@ def summarise(spec: dict, raw: dict, flops: dict, peak: float | None) -> dict:
         "steps": len(raw["durations"]),
         "wall_s": round(raw["wall_s"], 1),
     }
-    if "compiled_layers" in raw:
-        row["compiled_layers"] = raw["compiled_layers"]
+    for key in ("compiled_layers", "options"):
+        if key in raw:
+            row[key] = raw[key]
     return row
 
 
@@ -359,6 +425,9 @@ def markdown(report: dict) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, row in report["runs"].items():
+        if "error" in row:
+            lines.append(f"| {name} | {row['error']} | | | | | | |")
+            continue
         ratio = report["ratio_to_hf_trainer"].get(name, 1.0 if name == "hf_trainer" else None)
 
         def pct(v):
@@ -389,6 +458,11 @@ def parse_args(argv=None):
     parser.add_argument("--peak-tflops", type=float, help="the device's peak, where PEAK_TFLOPS lacks it")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--out", type=Path, help="also write the JSON report here")
+    parser.add_argument("--budget-s", type=float, default=480.0,
+                        help="start no run after this many seconds, and stop a run that reaches it")  # fmt: skip
+    parser.add_argument("--workdir", type=Path,
+                        help="folder for the starting weights and every cache (default: a temporary one, removed)")  # fmt: skip
+    parser.add_argument("--logs", type=Path, help="folder to keep each run's log in")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -403,6 +477,7 @@ def main(argv=None) -> int:
     smoke = args.smoke
     if not smoke and not torch.cuda.is_available():
         sys.exit("gpu_training.py: no CUDA device; run it on a GPU machine, or use --smoke on CPU")
+    started = time.perf_counter()
     names = list(RUNS) if args.runs == "all" else args.runs.split(",")
     unknown = sorted(set(names) - set(RUNS))
     if unknown:
@@ -428,19 +503,26 @@ def main(argv=None) -> int:
     device_name = torch.cuda.get_device_name(0) if not smoke else "CPU (smoke)"
     peak = args.peak_tflops or (None if smoke else peak_tflops(device_name))
     flops = flops_per_token(architecture, spec["seq"])
-    build = build_model({**spec, "architecture": architecture})
-    parameters = sum(p.numel() for p in build.parameters())
-    del build
+    if args.logs:
+        args.logs.mkdir(parents=True, exist_ok=True)
     runs = {}
-    with tempfile.TemporaryDirectory(prefix="fedtune-gpu-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="fedtune-gpu-bench-", dir=args.workdir) as tmp:
+        work = Path(tmp)
+        spec["model_dir"] = str(work / "model")
+        parameters = save_model(spec)
         for name in names:
+            left = args.budget_s - (time.perf_counter() - started)
+            if left <= 0:
+                runs[name] = {"error": f"not started: --budget-s {args.budget_s:.0f} spent"}
+                continue
             print(f"[gpu benchmark] {name} ...", file=sys.stderr, flush=True)
-            runs[name] = summarise(spec, run_one({**spec, "name": name}, Path(tmp)), flops, peak)
+            runs[name] = summarise(spec, run_one({**spec, "name": name}, work, left, args.logs), flops, peak)
             print(f"[gpu benchmark] {name}: {json.dumps(runs[name])}", file=sys.stderr, flush=True)
+    ok = {n: r for n, r in runs.items() if "error" not in r}
     ratios = {}
-    if "hf_trainer" in runs:
-        base = runs["hf_trainer"]["tokens_per_s"]
-        ratios = {n: round(r["tokens_per_s"] / base, 3) for n, r in runs.items() if n != "hf_trainer"}
+    if "hf_trainer" in ok:
+        base = ok["hf_trainer"]["tokens_per_s"]
+        ratios = {n: round(r["tokens_per_s"] / base, 3) for n, r in ok.items() if n != "hf_trainer"}
     report = {
         "device": device_name,
         "peak_tflops": peak,
@@ -455,8 +537,9 @@ def main(argv=None) -> int:
         "runs": runs,
         "ratio_to_hf_trainer": ratios,
     }
-    if "fsdp_fast" in runs and peak is not None:
-        report["goal_mfu_45"] = runs["fsdp_fast"]["mfu"] >= 0.45
+    report["wall_s"] = round(time.perf_counter() - started, 1)
+    if "fsdp_fast" in ok and peak is not None:
+        report["goal_mfu_45"] = ok["fsdp_fast"]["mfu"] >= 0.45
     if "fsdp_fast" in ratios:
         report["goal_1_2x_trainer"] = ratios["fsdp_fast"] >= 1.2
     text = json.dumps(report, indent=2)
@@ -464,7 +547,7 @@ def main(argv=None) -> int:
         args.out.write_text(text + "\n")
     print(text)
     print(markdown(report), file=sys.stderr)
-    return 0 if all(math.isfinite(r["final_loss"]) for r in runs.values()) else 1
+    return 0 if len(ok) == len(runs) and all(math.isfinite(r["final_loss"]) for r in ok.values()) else 1
 
 
 if __name__ == "__main__":

@@ -95,13 +95,27 @@ def _train_processes(launcher_pid: int) -> list[int]:
     return found
 
 
+# "once" is fedtune.loading's path for each: meta device + rank 0's reads (FSDP2), zero.Init (ZeRO-3).
+BACKENDS = {
+    "fsdp": {"backend": "fsdp", "sharding": "full"},
+    "zero3": {"backend": "deepspeed", "zero_stage": 3},
+}
+
+
 def measure(
-    model_dir: Path, manifest: Path, procs: int, mode: str, run_dir: Path, env: dict | None = None
+    model_dir: Path,
+    manifest: Path,
+    procs: int,
+    mode: str,
+    run_dir: Path,
+    env: dict | None = None,
+    backend: dict | None = None,
 ) -> dict:
-    """Summed PSS and Pss_Anon peaks (MB) of the train processes until the model is loaded and sharded."""
+    """Summed PSS and Pss_Anon peaks (MB) of the train processes until the model is loaded and sharded;
+    `backend`: train options over FSDP2 full sharding (DeepSpeed ZeRO-3: {"backend": "deepspeed",
+    "zero_stage": 3})."""
     options = {
-        "backend": "fsdp",
-        "sharding": "full",
+        **(backend or {"backend": "fsdp", "sharding": "full"}),
         "device": "cpu",
         "precision": "fp32",
         "micro_batch": 1,
@@ -204,6 +218,7 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--procs", default="2,4", help="comma-separated process counts")
     parser.add_argument("--checkpoint-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--backend", default="fsdp", choices=sorted(BACKENDS), help="what loads the weights")
     parser.add_argument(
         "--fixed-mmap-threshold",
         action="store_true",
@@ -221,9 +236,18 @@ def main(argv=None) -> int:
         results = []
         env = {**os.environ, **(MALLOC_ENV if args.fixed_mmap_threshold else {})}
         for n in procs:
-            baseline = measure(small_dir, small_manifest, n, "once", tmp / f"base-{n}", env=env)
+            baseline = measure(
+                small_dir,
+                small_manifest,
+                n,
+                "once",
+                tmp / f"base-{n}",
+                env=env,
+                backend=BACKENDS[args.backend],
+            )
             for mode in ("per-rank", "once"):
-                run = measure(model_dir, manifest, n, mode, tmp / f"{mode}-{n}", env=env)
+                backend = BACKENDS[args.backend]
+                run = measure(model_dir, manifest, n, mode, tmp / f"{mode}-{n}", env=env, backend=backend)
                 run.update(model_share(run, baseline, params), baseline_pss_mb=baseline["peak_pss_mb"])
                 results.append(run)
                 print(f"[loading] {json.dumps(run)}", file=sys.stderr, flush=True)
@@ -232,6 +256,7 @@ def main(argv=None) -> int:
         "fp32_copy_mb": round(4 * params / 2**20, 1),
         "architecture": architecture(args.hidden, args.layers),
         "checkpoint_dtype": args.checkpoint_dtype,
+        "backend": BACKENDS[args.backend],
         "fixed_mmap_threshold": args.fixed_mmap_threshold,
         "runs": results,
         "goal_at_most_1_3_copies": all(r["copies_pss"] <= 1.3 for r in results if r["mode"] == "once"),

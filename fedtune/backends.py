@@ -4,6 +4,7 @@ same for both:
     backend.forward_backward(input_ids, labels, weight, last, attention_mask)
                                                                one micro batch; returns its mean loss
     backend.step(lr)                                           one optimizer step; returns the grad norm
+                                                               (a device tensor: read when the loop syncs)
     backend.save(folder) / backend.load(folder)                sharded checkpoint (collective)
     backend.full_state_dict()                                  gathered weights, on rank 0 (collective)
 
@@ -20,9 +21,11 @@ from typing import Protocol
 
 import torch
 
+from fedtune import speed
 from fedtune.blocks import trained_tokens
 from fedtune.config import ConfigError, TrainOptions, deep_merge, torch_dtype
 from fedtune.distributed import Job
+from fedtune.speed import adamw_implementation, decoder_layer_classes, pin_batch
 
 ADAM_EPS = 1e-8
 
@@ -34,7 +37,7 @@ class Backend(Protocol):
         self, input_ids, labels, weight: float, last: bool, attention_mask=None
     ) -> torch.Tensor: ...
 
-    def step(self, lr: float) -> float: ...
+    def step(self, lr: float) -> float | torch.Tensor: ...
 
     def save(self, folder: Path) -> None: ...
 
@@ -71,26 +74,12 @@ class Proximal:
                 store(grad)
 
 
-def decoder_layer_classes(model) -> set[str]:
-    # Transformers names the blocks it never splits across devices: exactly the per-layer wrapping unit.
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    if not names:
-        # Some models (DistilBERT) name none; their layers are the members of the model's ModuleLists.
-        names = {
-            type(layer).__name__
-            for module in model.modules()
-            if isinstance(module, torch.nn.ModuleList) and len(module) > 1
-            for layer in module
-        }
-    if not names:
-        raise ValueError(f"{type(model).__name__} does not name its layers (_no_split_modules, ModuleList)")
-    return names
-
-
 def model_inputs(device, input_ids, labels=None, attention_mask=None) -> dict:
     """Keyword arguments of a forward pass, on `device`. A classifier's rows come with their attention
     mask (its padding must not be attended to); a language model runs without a KV cache, which training
     never reuses."""
+    # On CUDA the copies start from pinned memory without waiting; `.to(device)` is then a no-op.
+    input_ids, labels, attention_mask = pin_batch(device, input_ids, labels, attention_mask)
     inputs = {"input_ids": input_ids.to(device)}
     if labels is not None:
         inputs["labels"] = labels.to(device)
@@ -115,15 +104,14 @@ def trainable(model) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def adamw(model, options: TrainOptions) -> torch.optim.AdamW:
+def adamw(model, options: TrainOptions, device: torch.device) -> torch.optim.AdamW:
     return torch.optim.AdamW(
         trainable(model),
         lr=options.lr,
         betas=options.betas,
         weight_decay=options.weight_decay,
         eps=ADAM_EPS,
-        # torch leaves foreach off on CPU: one (DTensor) dispatch per parameter and op otherwise.
-        foreach=True,
+        **adamw_implementation(device),
     )
 
 
@@ -173,7 +161,7 @@ class _TorchBackend:
     def weights_loaded(self, options: TrainOptions) -> None:
         """Make what depends on the weights' storage: the optimizer and FedProx's start weights. Again
         after fedtune.loading has filled a model that was built on the meta device."""
-        self.optimizer = adamw(self.model, options)
+        self.optimizer = adamw(self.model, options, self.job.device)
         self.proximal = Proximal(options.fedprox_mu, self._local_tensors) if options.fedprox_mu else None
 
     def _local_tensors(self, grads: bool):
@@ -188,7 +176,7 @@ class _TorchBackend:
     def _scaled(self, weight: float) -> float:
         return weight / self.accumulation * (self.scaler.scale if self.scaler else 1.0)
 
-    def step(self, lr: float) -> float:
+    def step(self, lr: float) -> float | torch.Tensor:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -199,13 +187,16 @@ class _TorchBackend:
             self.proximal.apply()
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        finite = math.isfinite(norm)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        finite = True
         if self.scaler:
+            # fp16 only: whether to skip the step is decided on the host, a second sync per step.
+            finite = math.isfinite(float(norm))
             self.scaler.update(finite)
-        if finite or not self.scaler:
+        if finite:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        # A tensor, not a float: the loop reads it with the loss, in the step's one host sync.
         return norm
 
     def _state_options(self, **kwargs):
@@ -398,13 +389,7 @@ class DeepSpeedBackend:
         optimizer = None
         if "optimizer" not in self.config:
             # torch's AdamW, the optimizer of the FSDP backend: both backends then compute the same steps.
-            optimizer = torch.optim.AdamW(
-                trainable(model),
-                lr=options.lr,
-                betas=options.betas,
-                weight_decay=options.weight_decay,
-                eps=ADAM_EPS,
-            )
+            optimizer = adamw(model, options, job.device)
         self.engine, *_ = deepspeed.initialize(
             model=model, optimizer=optimizer, model_parameters=trainable(model), config=self.config
         )
@@ -480,10 +465,20 @@ class DeepSpeedBackend:
         return {name: tensor.detach().cpu() for name, tensor in state.items()}
 
 
+def prepare_layers(model, options: TrainOptions, job: Job) -> None:
+    """Activation checkpointing and compilation of the decoder layers (fedtune.speed), on the layers
+    themselves, before the backend shards or wraps them (dynamo leaves FSDP2's hooks out of the graphs:
+    torch._dynamo.config.skip_fsdp_hooks). On a meta-device model both only mark the layers."""
+    every = options.checkpoint_layers_every
+    layers = speed.selective_checkpointing(model, every=every) if every else []
+    compiled = speed.compile_layers(model) if options.compile else 0
+    if job.is_main and (layers or compiled):
+        # The test of each option reads this line: what was applied, not what was asked for.
+        print(f"layers: activation checkpointing of {layers}, {compiled} compiled", flush=True)
+
+
 def build(model, options: TrainOptions, job: Job, accumulation: int):
-    if options.gradient_checkpointing:
-        # Non-reentrant checkpointing is the variant that works under FSDP2 and ZeRO-3 hooks.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    prepare_layers(model, options, job)
     if options.backend == "fsdp":
         cls = DDPBackend if options.sharding == "none" else FSDPBackend
         return cls(model, options, job, accumulation)

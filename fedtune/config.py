@@ -284,7 +284,8 @@ class TrainOptions(_Options):
     deepspeed_extra: dict
     precision: str
     adapter: dict | None
-    gradient_checkpointing: bool
+    gradient_checkpointing: bool | int
+    compile: bool
     micro_batch: int
     global_batch: int
     max_steps: int | None
@@ -335,6 +336,9 @@ class TrainOptions(_Options):
                 f"{where}fedprox_mu: needs backend fsdp or deepspeed with zero_stage 3 (its per-rank "
                 f"partitions); zero_stage is {self.zero_stage}"
             )
+        if self.compile and deepspeed:
+            # ZeRO-3 gathers parameters in hooks around each layer: not checked inside compiled layers.
+            raise ConfigError(f"{where}compile: needs backend fsdp (FSDP2 or DDP), not deepspeed")
         if self.deepspeed_extra and not deepspeed:
             raise ConfigError(f"{where}deepspeed_extra: given, but backend is {self.backend}")
         if self.adapter and self.adapter["quantize"] != "none":
@@ -362,6 +366,12 @@ class TrainOptions(_Options):
     @property
     def world_size(self) -> int:
         return self.nodes * self.processes_per_node
+
+    @property
+    def checkpoint_layers_every(self) -> int:
+        """Activation checkpointing of every N-th decoder layer: 0 none, 1 all (gradient_checkpointing:
+        true)."""
+        return int(self.gradient_checkpointing)
 
     @property
     def low_precision(self) -> str | None:

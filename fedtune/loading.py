@@ -10,6 +10,10 @@ ranks on CPU; nothing on the host with GPUs) plus one tensor, instead of every r
 model. Reading on global rank 0 rather than on each node's local rank 0 is what broadcast_from_rank0
 offers, and it is less host memory still (ranks on other nodes receive their parts over the network).
 
+DeepSpeed ZeRO-3 loads under `deepspeed.zero.Init` instead (Hugging Face's integration: an
+`HfDeepSpeedConfig` alive during `from_pretrained`): each parameter is partitioned as it is created, and
+the weights are copied in one module at a time, gathered and filled from rank 0's read of the files.
+
 Modes that keep a whole replica per rank anyway (sharding none, DeepSpeed ZeRO-0/1/2) and folders with
 only pickle weights take the per-rank path (`load_model` + `backends.build`), as do adapters (peft wraps
 the loaded model) and FEDTUNE_LOADING=
@@ -46,6 +50,16 @@ def loads_once(options: TrainOptions, model_dir: Path, allow_pickle: bool) -> bo
     return options.fsdp and options.sharding in META_SHARDINGS
 
 
+def zero_init(options: TrainOptions) -> bool:
+    """Whether `load_backend` creates the model partitioned (DeepSpeed ZeRO-3's zero.Init)."""
+    return (
+        options.backend == "deepspeed"
+        and options.zero_stage == 3
+        and not options.adapter  # peft wraps a loaded model: the per-rank path (not tried under zero.Init)
+        and os.environ.get(LOADING_ENV) != "per-rank"
+    )
+
+
 def ties_embeddings(model_dir: Path) -> bool:
     from transformers import AutoConfig
 
@@ -73,6 +87,8 @@ def _load_backend(
     from fedtune import backends
     from fedtune.models import load_model
 
+    if zero_init(options):
+        return _load_zero3(model_dir, options, job, accumulation, task=task, allow_pickle=allow_pickle)
     if not loads_once(options, model_dir, allow_pickle):
         if options.adapter and options.adapter["quantize"] == "4bit":
             from fedtune import adapters
@@ -103,6 +119,41 @@ def _load_backend(
     # The optimizer (and FedProx's start weights) were made from the meta parameters: make them again.
     backend.weights_loaded(options)
     return backend
+
+
+def _load_zero3(
+    model_dir: Path, options: TrainOptions, job, accumulation: int, *, task: str, allow_pickle: bool
+):
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    from fedtune import backends
+    from fedtune.models import load_model
+
+    # from_pretrained finds the config through a weak reference: it must stay referenced until the
+    # model is loaded, and must be gone after, or later loads (the export's) would be partitioned too.
+    # Without train_batch_size: DeepSpeed checks it against its own process group, not started yet
+    # (deepspeed.initialize starts it); it derives the same batch from the micro batch and accumulation.
+    ds_config = backends.deepspeed_config(options, accumulation, job.device)
+    config = HfDeepSpeedConfig({k: v for k, v in ds_config.items() if k != "train_batch_size"})
+    try:
+        model = load_model(
+            model_dir, task=task, dtype="float32", allow_pickle=allow_pickle, verify=job.local_rank == 0
+        )
+    finally:
+        unset_hf_deepspeed_config()
+        del config
+    model.config.use_cache = False
+    if job.is_main:
+        # What this rank holds of the model: its partitions (ds_tensor), not the whole (ds_numel).
+        held = sum(p.ds_tensor.numel() for p in model.parameters()) / sum(
+            p.ds_numel for p in model.parameters()
+        )
+        print(
+            f"loading: partitioned while created (deepspeed.zero.Init), {held:.3f} of it on rank 0",
+            flush=True,
+        )
+    return backends.build(model, options, job, accumulation)
 
 
 def empty_model(model_dir: Path, *, task: str, verify: bool):

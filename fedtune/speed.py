@@ -6,19 +6,36 @@
     pin_batch(device, *tensors)            page-locked host copies sent with non_blocking=True
 
 None of them changes a parameter name, so checkpoints, the exported state dict and the aggregate stage
-see the same model whichever are on (benchmarks/gpu_training.py measures what they gain)."""
+see the same model whichever are on. fedtune.backends applies them (`prepare_layers` for the train
+options `compile` and `gradient_checkpointing: N`, `adamw`, `model_inputs`); benchmarks/gpu_training.py
+measures what they gain. A leaf: it imports nothing from fedtune, so that backends can import it."""
 
 from __future__ import annotations
 
 import torch
 
 
+def decoder_layer_classes(model) -> set[str]:
+    # Transformers names the blocks it never splits across devices: exactly the per-layer wrapping unit.
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    if not names:
+        # Some models (DistilBERT) name none; their layers are the members of the model's ModuleLists.
+        names = {
+            type(layer).__name__
+            for module in model.modules()
+            if isinstance(module, torch.nn.ModuleList) and len(module) > 1
+            for layer in module
+        }
+    if not names:
+        raise ValueError(f"{type(model).__name__} does not name its layers (_no_split_modules, ModuleList)")
+    return names
+
+
 def decoder_layers(model) -> list[torch.nn.Module]:
     """The repeated decoder blocks: the unit of FSDP wrapping, of compilation and of checkpointing."""
-    from fedtune.backends import decoder_layer_classes
-
     classes = decoder_layer_classes(model)
-    return [module for module in model.modules() if type(module).__name__ in classes]
+    # By the class's ancestry, not its name: FSDP2 turns LlamaDecoderLayer into FSDPLlamaDecoderLayer.
+    return [m for m in model.modules() if any(c.__name__ in classes for c in type(m).__mro__)]
 
 
 def compile_layers(model, **compile_kwargs) -> int:

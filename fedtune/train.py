@@ -302,10 +302,23 @@ def train_step(run: Setup, step: int, lr: float, stop: StopRequest) -> tuple[flo
         )  # fmt: skip
         loss_sum += micro_loss.double() * n
     grad_norm = backend.step(lr)
-    # One small all-reduce per step: the global loss, and whether any rank was told to stop.
-    totals = torch.stack([loss_sum, torch.tensor(float(stop.signal is not None), device=job.device)])
+    # One small all-reduce per step: the global loss, whether any rank was told to stop, and the
+    # gradient norm (rank 0's; every rank holds the same), so that the host waits for the device once.
+    stopping = torch.tensor(float(stop.signal is not None), device=job.device)
+    totals = torch.stack([loss_sum, stopping, rank0_value(grad_norm, job)])
     torch.distributed.all_reduce(totals)
-    return totals[0].item() / step_tokens, grad_norm, step_tokens, totals[1].item() > 0
+    loss, stopped, norm = totals.tolist()
+    return loss / step_tokens, norm, step_tokens, stopped > 0
+
+
+def rank0_value(value, job):
+    """`value` (a float or a device scalar) as a float64 device scalar on rank 0, zero elsewhere: summed
+    over the ranks, rank 0's exactly, NaN and infinity included."""
+    import torch
+
+    if job.rank != 0:
+        return torch.zeros((), dtype=torch.float64, device=job.device)
+    return torch.as_tensor(value, device=job.device).to(torch.float64)
 
 
 def train(args: TrainJob, options: TrainOptions, plan: RoundPlan = RoundPlan()) -> int:

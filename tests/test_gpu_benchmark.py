@@ -76,3 +76,7 @@ def test_smoke_run_reports_every_backend(tmp_path):
         report["runs"]["fsdp"]["tokens_per_s"] / report["runs"]["hf_trainer"]["tokens_per_s"], rel=1e-2
     )
     assert "| fsdp_fast |" in result.stderr
+    # The runs use the train stage's options: fsdp_fast checkpoints every 2nd layer, the others every one.
+    assert report["runs"]["fsdp_fast"]["options"]["gradient_checkpointing"] == 2
+    assert report["runs"]["fsdp"]["options"]["gradient_checkpointing"] is True
+    assert report["runs"]["deepspeed_zero3"]["options"]["zero_stage"] == 3

@@ -5,6 +5,7 @@ start training from the same weights."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -57,3 +58,19 @@ def test_both_paths_start_from_the_same_weights(tiny_model_dir, site_manifest, t
         losses(tmp_path / "per-rank" / "model"), abs=1e-6
     )
     assert "Traceback" not in (tmp_path / "once" / "stdout.txt").read_text()
+
+
+def test_zero3_loads_partitioned_from_the_same_weights(tiny_model_dir, site_manifest, tmp_path, monkeypatch):
+    """DeepSpeed ZeRO-3 creates the model under deepspeed.zero.Init (each rank holds its partitions from
+    the start) and trains from the same weights as when every rank loads the whole model first."""
+    options = {"backend": "deepspeed", "zero_stage": 3, "max_steps": 2}
+    partitioned = run_training(tiny_model_dir, site_manifest, tmp_path / "zero-init", options)
+    monkeypatch.setenv("FEDTUNE_LOADING", "per-rank")
+    whole = run_training(tiny_model_dir, site_manifest, tmp_path / "per-rank", options)
+    held = re.search(r"partitioned while created \(deepspeed.zero.Init\), ([\d.]+) of it", partitioned.stdout)
+    # Two ranks: half of every parameter each (rounded up to whole elements per parameter).
+    assert held and 0.45 < float(held[1]) < 0.55, partitioned.stdout[-2000:]
+    assert "deepspeed.zero.Init" not in whole.stdout
+    assert losses(tmp_path / "zero-init" / "model") == pytest.approx(
+        losses(tmp_path / "per-rank" / "model"), abs=1e-6
+    )
