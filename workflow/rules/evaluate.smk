@@ -46,7 +46,7 @@ rule evaluate_base:
         template=lambda wc: RUN.sites[wc.site].prompt_template,
         text_field=lambda wc: RUN.sites[wc.site].dataset["text_field"],
         bos=EVAL_BOS,
-        options=RUN.evaluate.to_json(),
+        options=RUN.evaluate.perplexity_json(),
         label="base",
         round=0,
         task=lambda wc: eval_task_args(wc.site),
