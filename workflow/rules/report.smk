@@ -1,5 +1,6 @@
 # report: tables and figures of the whole run, collected by `snakemake --report`.
 import os
+import shlex
 
 # ROUND:SITE=PATH of the files the train stage writes into every site model folder.
 TRAINING_SUMMARIES = [
@@ -33,6 +34,26 @@ GAP_OUTPUTS = (
     else {}
 )
 
+# With evaluate.tasks: one table per downstream task (report/tasks/<task>.csv, .md, .html).
+TASK_OUTPUTS = {
+    f"task{i}_{ext}": report(
+        task_table(name, ext),
+        caption="../report/tasks.rst",
+        category="Downstream tasks",
+        subcategory=name,
+    )
+    for i, name in enumerate(DOWNSTREAM_NAMES)
+    for ext in ("html", "csv", "md")
+}
+
+
+def task_args():
+    if not DOWNSTREAM:
+        return ""
+    names = " ".join(shlex.quote(name) for name in DOWNSTREAM_NAMES)
+    scores = " ".join(shlex.quote(path) for path in TASK_RESULTS)
+    return f"--tasks {scores} --task-names {names}"
+
 
 rule report_settings:
     output:
@@ -54,6 +75,7 @@ rule report_settings:
 rule report:
     input:
         evals=EVAL_RESULTS,
+        tasks=TASK_RESULTS,
         # A file, not a param: the report shows every param of its rule beside each result.
         settings=run_path("report", "settings.json"),
         # training.json and loss.csv live inside these folders (directory outputs of train).
@@ -61,6 +83,7 @@ rule report:
         + ([pooled_model_dir()] if RUN.pooled else []),
     output:
         **GAP_OUTPUTS,
+        **TASK_OUTPUTS,
         # The report shows web pages and images; CSV and Markdown files are downloads there.
         main_html=report(
             run_path("report", f"{REPORT_METRIC}.html"),
@@ -129,7 +152,8 @@ rule report:
         out=lambda wc, output: os.path.dirname(output.main),
         training=TRAINING_SUMMARIES,
         losses=LOSS_CURVES,
+        tasks=task_args(),
     shell:
         "python -m fedtune.report --out {params.out:q} --eval {input.evals:q}"
-        " --training {params.training:q} --loss {params.losses:q}"
+        " --training {params.training:q} --loss {params.losses:q} {params.tasks}"
         " --settings {input.settings:q} > {log:q} 2>&1"
