@@ -40,7 +40,6 @@ TASK_OUTPUTS = {
         task_table(name, ext),
         caption="../report/tasks.rst",
         category="Downstream tasks",
-        subcategory=name,
     )
     for i, name in enumerate(DOWNSTREAM_NAMES)
     for ext in ("html", "csv", "md")
