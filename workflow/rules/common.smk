@@ -293,6 +293,28 @@ def task_table(name, ext):
     return run_path("report", "tasks", f"{name}.{ext}")
 
 
+def downstream_options():
+    """The downstream CLI's flags for the evaluate section's task settings."""
+    options = RUN.evaluate
+    args = []
+    if options.task_limit is not None:
+        args.append(f"--limit {options.task_limit}")
+    if options.num_fewshot is not None:
+        args.append(f"--num-fewshot {options.num_fewshot}")
+    if options.dtype is not None:
+        args.append(f"--dtype {options.dtype}")
+    return " ".join(args)
+
+
+def task_args():
+    """The report's score CSVs and task names, or nothing without evaluate.tasks."""
+    if not DOWNSTREAM:
+        return ""
+    names = " ".join(shlex.quote(name) for name in DOWNSTREAM_NAMES)
+    scores = " ".join(shlex.quote(path) for path in TASK_RESULTS)
+    return f"--tasks {scores} --task-names {names}"
+
+
 def downstream_inputs():
     """The task YAMLs and their local data files (as the config check found them): an edit reruns the
     download and the scores."""

@@ -96,18 +96,6 @@ TASKS_SHELL = (
 )
 
 
-def downstream_options():
-    options = RUN.evaluate
-    args = []
-    if options.task_limit is not None:
-        args.append(f"--limit {options.task_limit}")
-    if options.num_fewshot is not None:
-        args.append(f"--num-fewshot {options.num_fewshot}")
-    if options.dtype is not None:
-        args.append(f"--dtype {options.dtype}")
-    return " ".join(args)
-
-
 rule evaluate_tasks_base:
     input:
         model=base_model_dir(),

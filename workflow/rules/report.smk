@@ -1,6 +1,5 @@
 # report: tables and figures of the whole run, collected by `snakemake --report`.
 import os
-import shlex
 
 # ROUND:SITE=PATH of the files the train stage writes into every site model folder.
 TRAINING_SUMMARIES = [
@@ -44,14 +43,6 @@ TASK_OUTPUTS = {
     for i, name in enumerate(DOWNSTREAM_NAMES)
     for ext in ("html", "csv", "md")
 }
-
-
-def task_args():
-    if not DOWNSTREAM:
-        return ""
-    names = " ".join(shlex.quote(name) for name in DOWNSTREAM_NAMES)
-    scores = " ".join(shlex.quote(path) for path in TASK_RESULTS)
-    return f"--tasks {scores} --task-names {names}"
 
 
 rule report_settings:
