@@ -220,7 +220,12 @@ def prepare(entries: Sequence[str], out: str | Path, *, base_dir: str | Path = "
         record = {"tasks": [], "lm_eval": _lm_eval_version()}
         for task in tasks:
             # Loading a task downloads its data set (hub) or reads its files, through datasets' cache.
-            loaded = manager.load([task.name])
+            try:
+                loaded = manager.load([task.name])
+            except Exception as e:
+                raise DownstreamError(
+                    f"--tasks {task.entry}: lm-eval cannot load task {task.name}: {type(e).__name__}: {e}"
+                ) from e
             record["tasks"].append(
                 {
                     "entry": task.entry,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -95,6 +96,51 @@ def test_copied_task_read_offline_scores_as_the_lm_eval_cli(tiny_model_dir, tmp_
         assert value == expected[f"{metric},none"], metric
     # A tiny random model is far from perfect on real text: the score is a real measurement.
     assert scores.set_index("metric").loc["bits_per_byte", "value"] > 1
+
+
+@needs_lm_eval
+def test_a_task_yamls_includes_functions_and_data_are_copied(tmp_path, monkeypatch):
+    """A task that includes a base YAML and names a `!function` of the module beside it: the copy holds
+    all three and its data, and lm-eval loads it from there (prepare loads every task it copies)."""
+    from fedtune.downstream import DATASETS_CACHE, prepare
+
+    user = tmp_path / "user"
+    (user / "tasks").mkdir(parents=True)
+    (user / "rows.jsonl").write_text('{"text": "one two"}\n{"text": "three four five"}\n')
+    (user / "tasks" / "base.yaml").write_text(
+        "dataset_path: json\ndataset_kwargs:\n  data_files: {test: rows.jsonl}\ntest_split: test\n"
+        "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
+        "metric_list:\n  - metric: bits_per_byte\n"
+    )
+    (user / "tasks" / "utils.py").write_text("def keep(dataset):\n    return dataset.select([1])\n")
+    (user / "tasks" / "mine.yaml").write_text(
+        "include: base.yaml\ntask: mine\nprocess_docs: !function utils.keep\n"
+    )
+    monkeypatch.chdir(user)
+    record = prepare(["tasks/mine.yaml"], "run/tasks")
+    assert record["tasks"][0]["name"] == "mine" and record["tasks"][0]["subtasks"] == ["mine"]
+    copy = user / "run" / "tasks" / "include" / "mine"
+    assert sorted(p.name for p in copy.iterdir()) == ["base.yaml", "mine.yaml", "utils.py"]
+    assert re.search(r"process_docs: !function '?utils.keep", (copy / "mine.yaml").read_text())
+    assert "run/tasks/data/mine/base/test/0-rows.jsonl" in (copy / "base.yaml").read_text()
+    assert (user / "run" / "tasks" / "data" / "mine" / "base" / "test" / "0-rows.jsonl").is_file()
+    assert (user / "run" / "tasks" / DATASETS_CACHE).is_dir()
+
+
+@needs_lm_eval
+def test_a_task_lm_eval_cannot_load_fails_the_download_and_leaves_no_folder(tmp_path, monkeypatch):
+    from fedtune.downstream import DownstreamError, prepare
+
+    (tmp_path / "broken.yaml").write_text(
+        (ROOT / PROJECT_TASK).read_text().replace("task: fedtune_demo_alpha", "task: broken")
+        + "process_docs: !function nowhere.keep\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(
+        DownstreamError, match="--tasks broken.yaml: lm-eval cannot load task broken: .*nowhere"
+    ):
+        prepare(["broken.yaml"], "run/tasks")
+    assert not (tmp_path / "run" / "tasks").exists()
 
 
 @needs_lm_eval
