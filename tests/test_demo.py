@@ -14,6 +14,8 @@ import pandas as pd
 import pytest
 from PIL import Image
 
+from fedtune.config import EvaluateOptions
+
 from . import report_browser
 from .workflow_harness import ROOT, demo_config, snakemake, write_config
 
@@ -129,7 +131,7 @@ def test_the_workflows_task_score_equals_the_lm_eval_cli(demo, tmp_path):
     cli = subprocess.run(
         [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args", f"pretrained={model}",
          "--include_path", "workflow/tasks", "--tasks", TASK, "--device", "cpu",
-         "--batch_size", str(CONFIG["evaluate"]["batch_size"]), "--limit", str(TASK_LIMIT),
+         "--batch_size", str(EvaluateOptions.from_mapping(CONFIG["evaluate"]).batch_size), "--limit", str(TASK_LIMIT),
          "--output_path", str(tmp_path / "cli")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
