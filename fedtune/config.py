@@ -6,7 +6,7 @@ block that must fit the model, sweep points), and hands the stages typed, frozen
     RunConfig     the whole validated config: run folder, task, model, sites, federation, sweep
     Site          one site: its dataset, template, cluster and its TrainOptions (overrides merged)
     TrainOptions  the train section (train.schema.yaml) after every cross-key rule
-    EvaluateOptions, SweepPoint
+    EvaluateOptions, SweepPoint, DownstreamTask (an entry of evaluate.tasks: a task YAML or a registry name)
 
 Each options object has one JSON form (`to_json()` / `from_json()`), the rule -> CLI boundary: a rule
 passes `--options '<json>'`, the CLI turns it back into the same object through the same checks.
@@ -432,10 +432,143 @@ class EvaluateOptions(_Options):
     batch_size: int
     max_documents: int | None
     dtype: str | None
+    tasks: tuple[str, ...]
+    task_limit: int | None
+    num_fewshot: int | None
+
+    # Read by the downstream tasks only: the perplexity jobs get the options without them, so that a
+    # task added to the config does not rerun every perplexity evaluation (Snakemake reruns on params).
+    DOWNSTREAM_KEYS = ("tasks", "task_limit", "num_fewshot")
 
     @classmethod
     def from_mapping(cls, data: Mapping, *, source: str = "--options", prefix: str = "evaluate"):
-        return cls(**cls._validated(data, source, prefix))
+        values = cls._validated(data, source, prefix)
+        values["tasks"] = tuple(values["tasks"])
+        return cls(**values)
+
+    def perplexity_json(self) -> str:
+        """The JSON form without the downstream tasks' keys: what fedtune.evaluate reads."""
+        values = {k: v for k, v in self.to_dict().items() if k not in self.DOWNSTREAM_KEYS}
+        return json.dumps(values, separators=(",", ":"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Downstream tasks (evaluate.tasks): which entry is a task YAML and which a name of lm-eval's registry.
+# Resolved here, without lm-eval, so that a missing file fails when Snakemake starts; fedtune.downstream
+# resolves the same entries with the same functions when it copies and scores them.
+
+PROJECT_DIR = SCHEMA_DIR.parent.parent
+PROJECT_TASKS_DIR = PROJECT_DIR / "workflow" / "tasks"
+TASK_YAML_SUFFIXES = (".yaml", ".yml")
+DOWNSTREAM_EXTRA = "pip install -e '.[downstream]'"
+
+
+class _TaskYamlLoader(yaml.SafeLoader):
+    """Reads lm-eval task YAMLs for their keys: tags such as `!function utils.process_docs` load as None
+    (lm-eval resolves them itself)."""
+
+
+_TaskYamlLoader.add_multi_constructor("!", lambda loader, suffix, node: None)
+
+
+@dataclass(frozen=True)
+class DownstreamTask:
+    """One entry of evaluate.tasks: its lm-eval name, and for a task YAML the file it is defined in."""
+
+    entry: str
+    name: str
+    yaml: Path | None  # None: a task or group of lm-eval's registry
+
+
+def resolve_path(path: str | Path, base_dir: Path) -> Path:
+    """A relative path of a task entry or of a task's data file: against the working directory, else
+    against the project (so that workflow/tasks/... and the demo data work from any working directory).
+    The working directory's path when neither exists."""
+    path = Path(path)
+    if path.is_absolute():
+        return path
+    here = Path(base_dir) / path
+    if here.exists() or not (PROJECT_DIR / path).exists():
+        return here
+    return PROJECT_DIR / path
+
+
+def read_task_yaml(path: Path, where: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            document = yaml.load(f, Loader=_TaskYamlLoader)
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"{where}: {path}: not a readable YAML file: {e}") from None
+    if not isinstance(document, dict) or not isinstance(document.get("task"), str):
+        raise ConfigError(
+            f"{where}: {path}: not an lm-eval task YAML (no `task: <name>` key); a group of tasks is "
+            "named by its registry name instead"
+        )
+    return document
+
+
+def task_data_files(document: Mapping) -> dict[str, list[str]]:
+    """A task YAML's local files (dataset_kwargs.data_files) by split, as written."""
+    files = (document.get("dataset_kwargs") or {}).get("data_files")
+    if files is None:
+        return {}
+    if isinstance(files, Mapping):
+        return {str(split): _as_list(value) for split, value in files.items()}
+    return {"train": _as_list(files)}
+
+
+def downstream_task(entry: str, *, base_dir: Path, where: str) -> DownstreamTask:
+    """An entry of evaluate.tasks, checked: a task YAML that exists, holds a task and whose local data
+    files exist; a task shipped in workflow/tasks by name; else a registry name (checked by lm-eval in
+    the download stage)."""
+    if entry.endswith(TASK_YAML_SUFFIXES):
+        path = resolve_path(entry, base_dir)
+        if not path.is_file():
+            raise ConfigError(f"{where}: task YAML not found: {entry} (relative to the working directory)")
+    elif (PROJECT_TASKS_DIR / f"{entry}.yaml").is_file():
+        path = PROJECT_TASKS_DIR / f"{entry}.yaml"
+    else:
+        return DownstreamTask(entry, entry, None)
+    document = read_task_yaml(path, where)
+    for split, files in task_data_files(document).items():
+        for file in files:
+            if "://" not in file and not resolve_path(file, base_dir).is_file():
+                raise ConfigError(
+                    f"{where}: {path}: dataset_kwargs.data_files.{split}: file not found: {file} "
+                    "(relative to the working directory)"
+                )
+    return DownstreamTask(entry, document["task"], path)
+
+
+def check_downstream_installed(where: str) -> None:
+    """lm-eval is an optional extra: say how to install it before any job needs it."""
+    import importlib.util
+
+    if importlib.util.find_spec("lm_eval") is None:
+        raise ConfigError(
+            f"{where}: downstream tasks need lm-evaluation-harness, which is not installed: "
+            f"{DOWNSTREAM_EXTRA} (the downstream extra)"
+        )
+
+
+def downstream_tasks(options: EvaluateOptions, task: str, *, base_dir: Path, source: str):
+    """evaluate.tasks resolved and checked (none when the list is empty)."""
+    if not options.tasks:
+        return ()
+    if task != CAUSAL_LM:
+        raise ConfigError(f"{source}: evaluate.tasks: downstream tasks score language models; task is {task}")
+    check_downstream_installed(f"{source}: evaluate.tasks")
+    resolved = [
+        downstream_task(entry, base_dir=base_dir, where=f"{source}: evaluate.tasks[{i}]")
+        for i, entry in enumerate(options.tasks)
+    ]
+    names = [t.name for t in resolved]
+    for i, t in enumerate(resolved):
+        if names.index(t.name) != i:
+            raise ConfigError(
+                f"{source}: evaluate.tasks[{i}]: {t.entry} defines task {t.name}, as an earlier entry does"
+            )
+    return tuple(resolved)
 
 
 @dataclass(frozen=True)
@@ -471,6 +604,7 @@ class RunConfig:
     tokenize: dict
     aggregate: dict
     evaluate: EvaluateOptions
+    downstream: tuple[DownstreamTask, ...]
     rounds: int
     lr_schedule: str
     site_optimizer: str
@@ -664,6 +798,7 @@ def build_run_config(config: dict, *, source: str = "config", base_dir: Path | N
                     "trains with deepspeed (whose optimizer also holds the weights)"
                 )
     _check_adapters(config, sites, source)
+    evaluate = EvaluateOptions.from_mapping(config["evaluate"], source=source)
     pooled = None
     if federation["pooled_baseline"]:
         clusters = sorted({site.cluster for site in sites.values()})
@@ -683,7 +818,8 @@ def build_run_config(config: dict, *, source: str = "config", base_dir: Path | N
         sites=sites,
         tokenize=config["tokenize"],
         aggregate=config["aggregate"],
-        evaluate=EvaluateOptions.from_mapping(config["evaluate"], source=source),
+        evaluate=evaluate,
+        downstream=downstream_tasks(evaluate, config["task"], base_dir=base_dir, source=source),
         rounds=federation["rounds"],
         lr_schedule=federation["lr_schedule"],
         site_optimizer=federation["site_optimizer"],

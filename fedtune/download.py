@@ -3,6 +3,11 @@ offline stages need into the run's folder.
 
     python -m fedtune.download data  --spec '<dataset JSON>' --out results/<run>/data/<site>/raw
     python -m fedtune.download model --spec '<model JSON>' [--corpora '<JSON list>'] --out results/<run>/model/base
+    python -m fedtune.download tasks --tasks ENTRY ... --out results/<run>/tasks
+
+`tasks` is evaluate.tasks (the downstream extra, lm-eval): each task's YAML and local data files copied,
+and each hub data set fetched into the folder's datasets cache (fedtune.downstream.prepare), for the
+evaluate jobs to read offline.
 
 With --task sequence-classification, `data` also checks the label column (integers in
 0..--num-labels - 1) and `model` saves the base model with a classification head of model.num_labels
@@ -259,6 +264,14 @@ def main(argv=None) -> int:
     )
     model.add_argument("--task", default=CAUSAL_LM, choices=TASKS)
     model.add_argument("--out", required=True)
+    tasks = sub.add_parser("tasks", help="downstream tasks' definitions and data sets (evaluate.tasks)")
+    tasks.add_argument(
+        "--tasks",
+        nargs="+",
+        required=True,
+        help="task YAMLs, tasks shipped in workflow/tasks or lm-eval registry names",
+    )
+    tasks.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     from fedtune import progress
 
@@ -267,6 +280,12 @@ def main(argv=None) -> int:
         if args.what == "data":
             with progress.Heartbeat(f"download data to {args.out}"):
                 download_data(json.loads(args.spec), args.out, args.num_labels)
+        elif args.what == "tasks":
+            from fedtune.downstream import prepare
+
+            with progress.Heartbeat(f"download tasks to {args.out}"):
+                record = prepare(args.tasks, args.out)
+            print(f"saved {', '.join(t['name'] for t in record['tasks'])} to {args.out}")
         else:
             spec = json.loads(args.spec)
             with progress.Heartbeat(f"download model to {args.out}", measure=_download_measure(spec)):

@@ -377,8 +377,13 @@ def _stride(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"{text!r} is neither a number nor none") from None
 
 
-# The options of one evaluation; `intermediate` says which evaluations the workflow asks for.
-OPTION_KEYS = tuple(key for key in EvaluateOptions.__dataclass_fields__ if key != "intermediate")
+# The options of one evaluation; `intermediate` says which evaluations the workflow asks for, and the
+# downstream keys are fedtune.downstream's.
+OPTION_KEYS = tuple(
+    key
+    for key in EvaluateOptions.__dataclass_fields__
+    if key != "intermediate" and key not in EvaluateOptions.DOWNSTREAM_KEYS
+)
 _UNSET = object()
 
 

@@ -12,6 +12,8 @@ training.json and loss.csv per (round, site). Outputs, in --out:
     perplexity.html          the perplexity and bits-per-byte tables as a web page (snakemake --report)
     training.html            the training table as a web page
     settings.csv / .html     the run's settings, one row per config key (with --settings)
+    tasks/<task>.csv / .md / .html   with --tasks: one table per downstream task (evaluate.tasks), one row
+                             per model, one column per metric (fedtune.downstream's CSVs)
 
 For classifiers (task sequence-classification) accuracy takes the place of perplexity (accuracy.csv /
 .md / .png, the .md with macro-F1 below it) and macro_f1.csv that of bits per byte; higher is better.
@@ -202,6 +204,42 @@ def load_evals(paths: Sequence[str | Path]) -> list[dict]:
 
 def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def task_tables(
+    paths: Sequence[str | Path], names: Sequence[str], sites: Sequence[str]
+) -> dict[str, pd.DataFrame]:
+    """One table per downstream task (fedtune.downstream's CSVs): rows (round, model) in the main table's
+    order, columns the task's metrics; a group's columns are `<member task> <metric>`."""
+    frames = []
+    for path in paths:
+        try:
+            frame = pd.read_csv(path, keep_default_na=False, dtype={"value": float})
+        except (OSError, ValueError) as e:
+            raise ReportError(f"{path}: not a task score CSV: {e}") from None
+        missing = {"model", "round", "entry", "task", "metric", "value"} - set(frame.columns)
+        if missing:
+            raise ReportError(f"{path}: task score CSV without columns {sorted(missing)}")
+        frames.append(frame)
+    scores = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    tables = {}
+    for name in names:
+        part = scores[scores["entry"] == name] if len(scores) else scores
+        if part.empty:
+            raise ReportError(f"--tasks: no scores of task {name} in {', '.join(map(str, paths))}")
+        part = part.assign(
+            round=pd.to_numeric(part["round"]).astype(int),
+            column=[
+                m if t == name else f"{t} {m}" for t, m in zip(part["task"], part["metric"], strict=True)
+            ],
+        )
+        if part.duplicated(["round", "model", "column"]).any():
+            raise ReportError(f"--tasks: two scores of one model for task {name}")
+        table = part.pivot(index=["round", "model"], columns="column", values="value")
+        keys = sorted(table.index, key=lambda k: (k[0], *model_order(k[1], list(sites))))
+        columns = list(dict.fromkeys(part["column"]))
+        tables[name] = table.loc[keys, columns].reset_index().rename_axis(columns=None)
+    return tables
 
 
 def training_table(entries: Sequence[tuple[int, str, Path]]) -> pd.DataFrame:
@@ -462,6 +500,8 @@ def report(
     training: Sequence[tuple[int, str, Path]] = (),
     losses: Sequence[tuple[int, str, Path]] = (),
     settings: dict | None = None,
+    tasks: Sequence[str | Path] = (),
+    task_names: Sequence[str] = (),
 ) -> dict[str, Path]:
 
     out_dir = Path(out_dir)
@@ -542,6 +582,20 @@ def report(
     heatmap(main, paths[f"{metrics.main}_png"], f"{metrics.title} on each site's test split", metrics)
     rounds_figure(main, paths["rounds_png"], metrics)
     loss_figure(losses, paths["loss_png"])
+    for name, table in task_tables(tasks, task_names, sites).items():
+        paths.update(
+            {f"task_{name}_{ext}": out_dir / "tasks" / f"{name}.{ext}" for ext in ("csv", "md", "html")}
+        )
+        digits = {column: 4 for column in table.columns[2:]}
+        heading = (
+            f"Task {name} (lm-evaluation-harness): each model's scores. Round 0 is the base model; "
+            "perplexities and bits per byte are better lower, accuracies higher."
+        )
+        write_text(paths[f"task_{name}_csv"], table.to_csv(index=False))
+        write_text(paths[f"task_{name}_md"], f"{heading}\n\n" + markdown(table, digits=digits))
+        write_text(
+            paths[f"task_{name}_html"], html_page(f"Task {name}", [(heading, table, {"digits": digits})])
+        )
     if settings is not None:
         table = settings_table(settings)
         paths["settings_csv"] = out_dir / "settings.csv"
@@ -590,12 +644,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="loss.csv of each site model",
     )
     parser.add_argument("--settings", metavar="JSON", help="a JSON file of the run's config (with defaults)")
+    parser.add_argument(
+        "--tasks", nargs="+", action="extend", default=[], metavar="CSV", help="downstream task scores"
+    )
+    parser.add_argument(
+        "--task-names", nargs="+", action="extend", default=[], metavar="TASK", help="one table per task"
+    )
     args = parser.parse_args(argv)
     try:
         training = [parse_labelled(item, "--training") for item in args.training]
         losses = [parse_labelled(item, "--loss") for item in args.loss]
         settings = _settings(args.settings)
-        paths = report(args.out, args.eval, training, losses, settings)
+        if bool(args.tasks) != bool(args.task_names):
+            raise ReportError(
+                "--tasks and --task-names go together: the score CSVs and the tasks to tabulate"
+            )
+        paths = report(args.out, args.eval, training, losses, settings, args.tasks, args.task_names)
     except ReportError as e:
         print(f"report: error: {e}", file=sys.stderr)
         return 2

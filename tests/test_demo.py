@@ -4,6 +4,7 @@ has nothing to do and the HTML report. The demo's point: federation gets close t
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -13,6 +14,8 @@ import pandas as pd
 import pytest
 from PIL import Image
 
+from fedtune.config import EvaluateOptions
+
 from . import report_browser
 from .workflow_harness import ROOT, demo_config, snakemake, write_config
 
@@ -20,12 +23,21 @@ CONFIG = demo_config()
 ROUNDS = CONFIG["federation"]["rounds"]
 STEPS = CONFIG["train"]["max_steps"]
 LAST = f"round-{ROUNDS}"
+# The demo needs no lm-eval; where the tests' install has it (the downstream extra), the same run also
+# scores the project's downstream task (evaluate.tasks) on a part of alpha's test recipes.
+DOWNSTREAM = importlib.util.find_spec("lm_eval") is not None
+needs_lm_eval = pytest.mark.skipif(not DOWNSTREAM, reason="lm-eval missing: pip install -e '.[downstream]'")
+TASK = "fedtune_demo_alpha"
+TASK_LIMIT = 40
 
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("demo")
-    write_config(workdir, demo_config())
+    config = demo_config()
+    if DOWNSTREAM:
+        config["evaluate"].update(tasks=[f"workflow/tasks/{TASK}.yaml"], task_limit=TASK_LIMIT)
+    write_config(workdir, config)
     snakemake(workdir)
     return workdir / "results" / "demo", workdir
 
@@ -83,6 +95,55 @@ def test_every_stage_left_its_outputs(demo):
         assert (run / "report" / name).stat().st_size > 0, name
 
 
+@needs_lm_eval
+def test_downstream_task_scores_every_model_and_the_report_tables_them(demo):
+    run, _ = demo
+    record = json.loads((run / "tasks" / "tasks.json").read_text())
+    assert [t["name"] for t in record["tasks"]] == [TASK]
+    assert record["tasks"][0]["documents"] == {TASK: {"test": 200}}
+    # The evaluate jobs read the run folder's copy of the task and its data.
+    copy = (run / "tasks" / "include" / TASK / f"{TASK}.yaml").read_text()
+    assert f"test: results/demo/tasks/data/{TASK}/test/0-test.jsonl" in copy
+    table = pd.read_csv(run / "report" / "tasks" / f"{TASK}.csv")
+    models = [(0, "base"), (ROUNDS, "alpha"), (ROUNDS, "beta"), (ROUNDS, "aggregate")]
+    assert list(zip(table["round"], table["model"], strict=True)) == models
+    assert list(table.columns) == ["round", "model", "word_perplexity", "byte_perplexity", "bits_per_byte"]
+    for rnd, model in models:
+        path = run / ("eval" if model == "base" else LAST + "/eval") / "tasks" / f"{model}.csv"
+        scores = pd.read_csv(path)
+        assert set(scores["task"]) == {TASK} and set(scores["round"]) == {rnd}
+        row = table[table["model"] == model].iloc[0]
+        for metric, value in zip(scores["metric"], scores["value"], strict=True):
+            assert row[metric] == value, (model, metric)
+    by_model = table.set_index("model")["bits_per_byte"]
+    # Alpha trained on recipes like the task's; the base model never trained.
+    assert by_model["alpha"] < by_model["base"] and by_model["aggregate"] < by_model["base"]
+    assert (run / "report" / "tasks" / f"{TASK}.md").read_text().startswith(f"Task {TASK}")
+
+
+@needs_lm_eval
+def test_the_workflows_task_score_equals_the_lm_eval_cli(demo, tmp_path):
+    """The aggregate's scores in the run equal what the lm_eval CLI prints for the same model, task,
+    limit and batch size (offline, on the project's task YAML)."""
+    run, _ = demo
+    model = run / LAST / "aggregate" / "model"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf-home"))
+    cli = subprocess.run(
+        [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args", f"pretrained={model}",
+         "--include_path", "workflow/tasks", "--tasks", TASK, "--device", "cpu",
+         "--batch_size", str(EvaluateOptions.from_mapping(CONFIG["evaluate"]).batch_size), "--limit", str(TASK_LIMIT),
+         "--output_path", str(tmp_path / "cli")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    (results_file,) = (tmp_path / "cli").rglob("results_*.json")
+    expected = json.loads(results_file.read_text())["results"][TASK]
+    scores = pd.read_csv(run / LAST / "eval" / "tasks" / "aggregate.csv")
+    assert len(scores) == 3
+    for metric, value in zip(scores["metric"], scores["value"], strict=True):
+        assert value == expected[f"{metric},none"], metric
+
+
 def test_status_summarises_the_finished_run(demo):
     run, workdir = demo
     result = subprocess.run(
@@ -129,6 +190,8 @@ def test_the_html_report_shows_tables_figures_and_settings_in_a_browser(demo, tm
     driven = report_browser.driven_copy(report, tmp_path / "report.html")
     figures = [("Perplexity", "perplexity.png"), ("Perplexity", "rounds.png"), ("Training", "loss.png")]
     tables = [("Perplexity", "perplexity.html"), ("Training", "training.html"), ("Settings", "settings.html")]
+    if DOWNSTREAM:
+        tables.append(("Downstream tasks", f"{TASK}.html"))
     shown = report_browser.show(driven, tables + figures)
 
     def rendered(name: str) -> list[list[str]]:
@@ -143,7 +206,7 @@ def test_the_html_report_shows_tables_figures_and_settings_in_a_browser(demo, tm
         "Training",
         "Settings",
         "Federation gap",
-    }
+    } | ({"Downstream tasks"} if DOWNSTREAM else set())
     assert (
         "Perplexity (exp of the mean negative log-likelihood" in shown["perplexity.html"]["info"]
     )  # caption
@@ -174,6 +237,13 @@ def test_the_html_report_shows_tables_figures_and_settings_in_a_browser(demo, tm
     assert settings["federation.rounds"] == str(ROUNDS) and settings["aggregate.method"] == "fedavg"
     assert settings["aggregate.server_optimizer.name"] == "fedadam"
     assert settings["sites.beta.prompt_template"] == "Scrivi un bollettino: {text}"
+
+    if DOWNSTREAM:
+        # The downstream task's table, with its caption.
+        assert "A downstream task of lm-evaluation-harness" in shown[f"{TASK}.html"]["info"]
+        rows = rendered(f"{TASK}.html")
+        table = pd.read_csv(run / "report" / "tasks" / f"{TASK}.csv")
+        assert rows[0] == list(table.columns) and [r[1] for r in rows[1:]] == list(table["model"])
 
     # What a user sees: a screenshot of the table view and of a figure, neither a blank page.
     for category, name in [("Perplexity", "perplexity.html"), ("Training", "loss.png")]:

@@ -6,6 +6,7 @@ with the resources Snakemake resolved in the dry run, so profile, rules and plug
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shlex
@@ -32,7 +33,7 @@ CLUSTERS = {
 ACCOUNT_VARIABLES = ["FEDTUNE_ACCOUNT"] + [f"FEDTUNE_{name.upper()}_ACCOUNT" for name in CLUSTERS]
 
 
-DOWNLOAD_RULES = ("download_data", "download_model")
+DOWNLOAD_RULES = ("download_data", "download_model", "download_tasks")
 
 
 def local_rules(profile: str | None = None) -> set[str]:
@@ -91,13 +92,21 @@ def demo_workdir(tmp_path_factory):
     return workdir
 
 
-def cluster_demo(workdir: Path, cluster: str, train: dict) -> None:
-    """The demo with its sites on cluster and the given train settings."""
+def cluster_demo(workdir: Path, cluster: str, train: dict, **evaluate) -> None:
+    """The demo with its sites on cluster and the given train (and evaluate) settings."""
     config = demo_config()
     for site in config["sites"].values():
         site["cluster"] = cluster
     config["train"].update(train)
+    config["evaluate"].update(evaluate)
     write_config(workdir, config)
+
+
+# With evaluate.tasks (lm-eval installed): the downstream jobs of the base model and a round-1 model.
+DOWNSTREAM = importlib.util.find_spec("lm_eval") is not None
+TASK_TARGETS = (
+    ["results/demo/eval/tasks/base.csv", "results/demo/round-1/eval/tasks/alpha.csv"] if DOWNSTREAM else []
+)
 
 
 @pytest.mark.parametrize("cluster", CLUSTERS)
@@ -116,10 +125,16 @@ def test_profile_dry_runs_the_demo_with_the_clusters_sbatch_options(cluster, acc
         "runtime": 720,
         "global_batch": 8 * 2 * gpus,
     }
-    cluster_demo(tmp_path, cluster, train)
-    result = snakemake(tmp_path, "-n", "--forceall", "results/demo/round-1/alpha/model", profile=cluster)
+    tasks = {"tasks": ["fedtune_demo_alpha"]} if DOWNSTREAM else {}
+    cluster_demo(tmp_path, cluster, train, **tasks)
+    result = snakemake(
+        tmp_path, "-n", "--forceall", "results/demo/round-1/alpha/model", *TASK_TARGETS, profile=cluster
+    )
     jobs = [job for job in planned_jobs(result.stdout) if job.name not in local_rules(cluster)]
     assert {"tokenize", "train"} <= {job.name for job in jobs}, result.stdout[-3000:]
+    if DOWNSTREAM:
+        evaluations = {job.name for job in jobs if job.name.startswith("evaluate_tasks")}
+        assert evaluations == {"evaluate_tasks_base", "evaluate_tasks_round"}, result.stdout[-3000:]
     for job in jobs:
         options = sbatch_options(job)
         assert f"-A {account}" in options, options
@@ -127,8 +142,9 @@ def test_profile_dry_runs_the_demo_with_the_clusters_sbatch_options(cluster, acc
         if job.name == "tokenize" or job.name in DOWNLOAD_RULES:
             assert f"-p {cpu_partition}" in options and "gpu" not in options, options
         else:
-            assert f"-p {gpu_partition}" in options and all(extra in options for extra in gpu_extra), options
+            assert f"-p {gpu_partition}" in options, options
         if job.name == "train":
+            assert all(extra in options for extra in gpu_extra), options
             tasks = 2 if launcher == "torchrun" else 2 * gpus
             cpus = cores if launcher == "torchrun" else cores // gpus
             for expected in [
@@ -145,7 +161,9 @@ def test_profile_dry_runs_the_demo_with_the_clusters_sbatch_options(cluster, acc
             # signals the training processes itself (test_time_limit_... in test_slurm_local.py).
             assert "--signal" not in options, options
         if job.name.startswith("evaluate"):
+            # One GPU of any kind the partition has (on Iris also the 16 GB V100s): no node constraint.
             assert "--gres=gpu:1" in options, options
+            assert all(extra in options for extra in gpu_extra if not extra.startswith("-C")), options
 
 
 def test_slurm_local_profile_trains_one_site_on_both_nodes(tmp_path):

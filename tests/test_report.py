@@ -140,3 +140,43 @@ def test_the_gap_to_the_pooled_model_per_round_and_merged_model(tmp_path):
 def test_no_pooled_model_no_gap(tmp_path):
     paths = report(tmp_path / "out", write_evals(tmp_path))
     assert "gap_csv" not in paths and not (tmp_path / "out" / "gap.csv").exists()
+
+
+def write_task_scores(folder, rounds=2):
+    """fedtune.downstream's CSVs: base and the last round's models on a task and on a group of two."""
+    from fedtune.downstream import to_csv
+
+    paths = []
+    for rnd, model in [(0, "base")] + [(rounds, m) for m in [*SITES, "aggregate"]]:
+        score = 10.0 - rnd - len(model) / 10
+        table = {"lambada": {"acc": score / 20, "perplexity": score}, "grp": {"acc": 0.5}}
+        table.update({"grp_a": {"acc": score / 30}, "grp_b": {"acc": score / 40}})
+        entries = {"lambada": "lambada", "grp": "grp", "grp_a": "grp", "grp_b": "grp"}
+        path = folder / f"{model}.csv"
+        path.write_text(to_csv(table, entries, model, rnd))
+        paths.append(path)
+    return paths
+
+
+def test_one_table_per_downstream_task(tmp_path):
+    scores = write_task_scores(tmp_path)
+    out = tmp_path / "report"
+    paths = report(out, write_evals(tmp_path), tasks=scores, task_names=["lambada", "grp"])
+    lambada = pd.read_csv(out / "tasks" / "lambada.csv")
+    assert list(lambada.columns) == ["round", "model", "acc", "perplexity"]
+    # The main table's order: base, the sites, the aggregate.
+    assert list(zip(lambada["round"], lambada["model"], strict=True)) == [
+        (0, "base"), (2, "alpha"), (2, "beta"), (2, "aggregate"),
+    ]  # fmt: skip
+    assert lambada.set_index("model").loc["beta", "perplexity"] == 10.0 - 2 - 0.4
+    group = pd.read_csv(out / "tasks" / "grp.csv")
+    assert list(group.columns) == ["round", "model", "acc", "grp_a acc", "grp_b acc"]
+    assert group.set_index("model").loc["base", "grp_a acc"] == pytest.approx((10.0 - 0.4) / 30)
+    for name in ("lambada", "grp"):
+        assert paths[f"task_{name}_md"].read_text().startswith(f"Task {name} (lm-evaluation-harness)")
+        assert "<table>" in paths[f"task_{name}_html"].read_text()
+    with pytest.raises(ReportError, match="--tasks: no scores of task hellaswag"):
+        report(out, write_evals(tmp_path), tasks=scores, task_names=["hellaswag"])
+    assert (
+        main(["--out", str(out), "--eval", *map(str, write_evals(tmp_path)), "--tasks", str(scores[0])]) == 2
+    )

@@ -294,6 +294,74 @@ def pooled_eval(site):
     return run_path("pooled", "eval", f"{site}.json")
 
 
+# Downstream tasks (evaluate.tasks, lm-eval): fetched once into the run folder, scored on the base model
+# and the last round's site models and aggregate, one CSV per model.
+DOWNSTREAM = RUN.downstream
+DOWNSTREAM_NAMES = [task.name for task in DOWNSTREAM]
+DOWNSTREAM_MODELS = [*SITES, "aggregate"]
+
+
+def tasks_dir():
+    return run_path("tasks")
+
+
+def task_scores(model, round=None):
+    if model == "base":
+        return run_path("eval", "tasks", "base.csv")
+    return run_path(f"round-{round}", "eval", "tasks", f"{model}.csv")
+
+
+TASK_RESULTS = (
+    [task_scores("base")]
+    + [task_scores(model, ROUNDS[-1]) for model in DOWNSTREAM_MODELS]
+    if DOWNSTREAM
+    else []
+)
+
+
+def task_table(name, ext):
+    """The report's table of one downstream task."""
+    return run_path("report", "tasks", f"{name}.{ext}")
+
+
+def downstream_options():
+    """The downstream CLI's flags for the evaluate section's task settings."""
+    options = RUN.evaluate
+    args = []
+    if options.task_limit is not None:
+        args.append(f"--limit {options.task_limit}")
+    if options.num_fewshot is not None:
+        args.append(f"--num-fewshot {options.num_fewshot}")
+    if options.dtype is not None:
+        args.append(f"--dtype {options.dtype}")
+    return " ".join(args)
+
+
+def task_args():
+    """The report's score CSVs and task names, or nothing without evaluate.tasks."""
+    if not DOWNSTREAM:
+        return ""
+    names = " ".join(shlex.quote(name) for name in DOWNSTREAM_NAMES)
+    scores = " ".join(shlex.quote(path) for path in TASK_RESULTS)
+    return f"--tasks {scores} --task-names {names}"
+
+
+def downstream_inputs():
+    """The task YAMLs and their local data files (as the config check found them): an edit reruns the
+    download and the scores."""
+    from fedtune.config import read_task_yaml, resolve_path, task_data_files
+
+    files = []
+    for task in DOWNSTREAM:
+        if task.yaml is None:
+            continue
+        files.append(str(task.yaml))
+        document = read_task_yaml(task.yaml, "evaluate.tasks")
+        for paths in task_data_files(document).values():
+            files += [str(resolve_path(p, Path("."))) for p in paths if "://" not in p]
+    return files
+
+
 def remote_source(cluster, relative, target):
     """Where another cluster keeps `relative` (a path inside its run folder), for rsync. Without a
     remote for that cluster, the error says what to run where instead."""
@@ -323,14 +391,17 @@ def tokenized_outputs():
 
 
 def get_final_output():
-    """Where the models meet: the report (which needs every stage). Elsewhere: this cluster's sites'
-    models of every round, which the aggregating cluster fetches. Plus the scaling sweep's report
-    where its site trains."""
+    """Where the models meet: the report (which needs every stage), and with evaluate.tasks the task
+    scores and their report tables. Elsewhere: this cluster's sites' models of every round, which the
+    aggregating cluster fetches. Plus the scaling sweep's report where its site trains.
+    """
     targets = tokenized_outputs()
     if aggregates_here():
         targets.append(run_path("report", f"{REPORT_METRIC}.csv"))
     else:
         targets += [site_model_dir(r, site) for r in ROUNDS for site in LOCAL_SITES]
+    if aggregates_here() and DOWNSTREAM:
+        targets += TASK_RESULTS + [task_table(name, "csv") for name in DOWNSTREAM_NAMES]
     if SWEEP_HERE:
         targets.append(run_path("report", "sweep.csv"))
     return targets

@@ -58,3 +58,22 @@ rule download_model:
     shell:
         "python -m fedtune.download model --spec {params.spec:q} --corpora {params.corpora:q}"
         " --task {params.task} --out {output:q} > {log:q} 2>&1"
+
+
+rule download_tasks:
+    input:
+        downstream_inputs(),
+    output:
+        # Task YAML copies, their data files, the hub data sets (datasets' cache) and tasks.json.
+        directory(tasks_dir()),
+    log:
+        log_path("download_tasks", "tasks"),
+    localrule: "download_tasks" not in DOWNLOAD_JOBS
+    conda:
+        CONDA_ENV
+    container:
+        CONTAINER
+    params:
+        tasks=[task.entry for task in DOWNSTREAM],
+    shell:
+        "python -m fedtune.download tasks --tasks {params.tasks:q} --out {output:q} > {log:q} 2>&1"

@@ -1,4 +1,5 @@
-# evaluate: perplexity of the base model, every site model and every aggregate on each site's test text.
+# evaluate: perplexity of the base model, every site model and every aggregate on each site's test text;
+# with evaluate.tasks, lm-eval's downstream tasks on the base model and the last round's models.
 import re
 
 # Every evaluation result, base model first (the report's inputs).
@@ -46,7 +47,7 @@ rule evaluate_base:
         template=lambda wc: RUN.sites[wc.site].prompt_template,
         text_field=lambda wc: RUN.sites[wc.site].dataset["text_field"],
         bos=EVAL_BOS,
-        options=RUN.evaluate.to_json(),
+        options=RUN.evaluate.perplexity_json(),
         label="base",
         round=0,
         base="",
@@ -91,3 +92,54 @@ if RUN.pooled:
             base=base_arg,
             # Beside the last round's models, whose tokens it has seen.
             round=RUN.rounds,
+
+
+# Downstream tasks (evaluate.tasks): lm-eval on the data the download stage put in the run folder.
+TASKS_SHELL = (
+    "python -m fedtune.downstream --model {input.model:q} {params.base} --tasks-dir {input.tasks:q}"
+    " --batch-size {params.batch_size} {params.options}"
+    " --label {params.label} --round {params.round} --out {output:q} > {log:q} 2>&1"
+)
+
+
+rule evaluate_tasks_base:
+    input:
+        model=base_model_dir(),
+        tasks=tasks_dir(),
+    output:
+        task_scores("base"),
+    log:
+        log_path("evaluate_tasks", "base"),
+    conda:
+        CONDA_ENV
+    container:
+        CONTAINER
+    threads: 2
+    resources:
+        mem_mb=16000,
+        runtime=60,
+    params:
+        batch_size=RUN.evaluate.batch_size,
+        options=downstream_options(),
+        label="base",
+        round=0,
+        base="",
+    shell:
+        TASKS_SHELL
+
+
+use rule evaluate_tasks_base as evaluate_tasks_round with:
+    input:
+        model=lambda wc: round_model_dir(wc.round, wc.model),
+        tasks=tasks_dir(),
+        base=adapter_base,
+    output:
+        task_scores("{model}", "{round}"),
+    log:
+        log_path("evaluate_tasks", "round-{round}", "{model}"),
+    wildcard_constraints:
+        model="|".join(re.escape(m) for m in DOWNSTREAM_MODELS),
+    params:
+        label=lambda wc: wc.model,
+        round=lambda wc: wc.round,
+        base=base_arg,

@@ -33,6 +33,17 @@ GAP_OUTPUTS = (
     else {}
 )
 
+# With evaluate.tasks: one table per downstream task (report/tasks/<task>.csv, .md, .html).
+TASK_OUTPUTS = {
+    f"task{i}_{ext}": report(
+        task_table(name, ext),
+        caption="../report/tasks.rst",
+        category="Downstream tasks",
+    )
+    for i, name in enumerate(DOWNSTREAM_NAMES)
+    for ext in ("html", "csv", "md")
+}
+
 
 rule report_settings:
     output:
@@ -54,6 +65,7 @@ rule report_settings:
 rule report:
     input:
         evals=EVAL_RESULTS,
+        tasks=TASK_RESULTS,
         # A file, not a param: the report shows every param of its rule beside each result.
         settings=run_path("report", "settings.json"),
         # training.json and loss.csv live inside these folders (directory outputs of train).
@@ -61,6 +73,7 @@ rule report:
         + ([pooled_model_dir()] if RUN.pooled else []),
     output:
         **GAP_OUTPUTS,
+        **TASK_OUTPUTS,
         # The report shows web pages and images; CSV and Markdown files are downloads there.
         main_html=report(
             run_path("report", f"{REPORT_METRIC}.html"),
@@ -129,7 +142,8 @@ rule report:
         out=lambda wc, output: os.path.dirname(output.main),
         training=TRAINING_SUMMARIES,
         losses=LOSS_CURVES,
+        tasks=task_args(),
     shell:
         "python -m fedtune.report --out {params.out:q} --eval {input.evals:q}"
-        " --training {params.training:q} --loss {params.losses:q}"
+        " --training {params.training:q} --loss {params.losses:q} {params.tasks}"
         " --settings {input.settings:q} > {log:q} 2>&1"
