@@ -520,7 +520,8 @@ def _scale_train(section: dict, merged: dict) -> None:
     if section.get("checkpoint_every"):
         section["checkpoint_every"] = 5
     if "lr" in section:
-        section["lr"] = LR
+        # Raised to LR, never lowered: an example already at a from-scratch rate (demo-lora) keeps it.
+        section["lr"] = max(section["lr"], LR)
     if merged["backend"] == "deepspeed" and merged["precision"] == "fp16":
         section["precision"] = "fp32"
 
