@@ -232,10 +232,11 @@ def kth_largest(values: torch.Tensor, k: int) -> torch.Tensor:
 
 
 # Entries per chunk of the streamed methods: a handful of fp32 chunk buffers stay within a core's L2
-# cache (1-2 MiB), and at::parallel_for's grain (32768) keeps a chunk on one thread, whose result does
-# not depend on the thread count. A multiple of every SIMD width, so that chunk boundaries never split
-# a vector: elementwise results are the same as over the whole tensor.
-CHUNK = 1 << 15
+# cache (1-2 MiB), and below at::parallel_for's grain (32768 entries: a range of exactly that size is
+# still split between threads) a chunk runs on one thread, so a chunk's many small kernels never wait on
+# an OpenMP barrier. A multiple of every SIMD width (64 entries), so chunk boundaries never split a
+# vector: elementwise results are the same as over the whole tensor.
+CHUNK = 32768 - 64
 
 
 class _Cut:
