@@ -91,8 +91,59 @@ def task_arithmetic(base, sites, weights, params):
     return _generalized(base, sites, weights, params, sparsify=None, consensus=False, normalize=False)
 
 
-def ties(base, sites, weights, params):
-    return _generalized(base, sites, weights, params, sparsify=_magnitude, consensus=True, normalize=True)
+def ties(base, sites, weights, params, out=None):
+    """TIES into `out` (fp32, the inputs' length) if given.
+
+    The arithmetic of mergekit's TIES (see the module's docstring), entry for entry, streamed in
+    cache-sized chunks: only the k-th largest magnitude of each task vector needs the whole tensor, and
+    everything after it is elementwise, so the inputs are read once per stage instead of ~45 times.
+    Masks are kept as fp32 0/1 (torch's mixed bool/float kernels are several times slower than its
+    float ones), which changes no value: multiplying by 0 or 1 is exact, and the sign of a zero left
+    by a dropped entry never reaches the result (it is masked out and added to +0)."""
+    n = base.numel()
+    out = torch.empty(n) if out is None else out
+    density = float(params.get("density", 1.0))
+    cuts = [_magnitude_cut(base, src, density) for src in sites]
+    lam = float(params.get("lambda", 1.0))
+    weights = [float(w) for w in weights]
+    # Every divisor is a sum of weights of the sites agreeing with the elected sign: 0 where none does
+    # (and there the numerator is +0), else at least the smallest positive weight. Raising the zeros to
+    # that weight instead of 1 gives the same +0 in one float op.
+    positive = [w for w in weights if w > 0]
+    floor = min(positive) if positive and min(weights) >= 0 else None
+    size = min(n, CHUNK)
+    deltas_full = [torch.empty(size) for _ in sites]
+    base_f_full, total_full, majority_full, mask_full, divisor_full = (torch.empty(size) for _ in range(5))
+    for start in range(0, n, CHUNK):
+        end = min(n, start + CHUNK)
+        size = end - start
+        base_f = base_f_full[:size].copy_(base[start:end])
+        deltas = []
+        for src, cut, weight, buffer in zip(sites, cuts, weights, deltas_full, strict=True):
+            delta = buffer[:size].copy_(src[start:end]).sub_(base_f)
+            cut.apply(delta)
+            deltas.append(delta.mul_(weight))
+        total = total_full[:size].copy_(deltas[0])
+        for delta in deltas[1:]:
+            total.add_(delta)
+        # The elected sign: +1 where the weighted sum is >= 0 (a zero sum elects +), else -1.
+        majority = torch.ge(total, 0, out=majority_full[:size]).mul_(2).sub_(1)
+        mixed = out[start:end].zero_()
+        divisor = divisor_full[:size].zero_()
+        mask = mask_full[:size]
+        for delta, weight in zip(deltas, weights, strict=True):
+            # sign(delta) == majority: delta * majority is exact and positive exactly then.
+            torch.gt(torch.mul(delta, majority, out=mask), 0, out=mask)
+            mixed.addcmul_(delta, mask)
+            divisor.add_(mask, alpha=weight)
+        if floor is not None:
+            divisor.clamp_min_(floor)
+        else:
+            divisor[divisor == 0] = 1
+        mixed.div_(divisor)
+        if lam != 1:
+            mixed.mul_(lam)
+    return out
 
 
 def dare_linear(base, sites, weights, params):
@@ -162,27 +213,6 @@ def _generalized(base, sites, weights, params, *, sparsify, consensus: bool, nor
     return mixed
 
 
-def _magnitude(delta: torch.Tensor, params: Params, generator) -> torch.Tensor:
-    """Keep the `density` share of entries with the largest magnitude (at least one), zero the rest."""
-    density = float(params.get("density", 1.0))
-    n = delta.numel()
-    if density >= 1:
-        return delta
-    if density <= 0 or n == 0:
-        return delta.zero_()
-    k = max(1, int(density * n))
-    magnitude = delta.abs()
-    threshold = kth_largest(magnitude, k)
-    keep = magnitude > threshold
-    if threshold > 0:
-        # Ties at the cut: keep the first ones, up to k in all.
-        missing = k - int(keep.sum())
-        if missing > 0:
-            keep[(magnitude == threshold).nonzero().reshape(-1)[:missing]] = True
-    # Entries of magnitude 0 at the cut change nothing whether kept or not.
-    return delta.mul_(keep)
-
-
 def kth_largest(values: torch.Tensor, k: int) -> torch.Tensor:
     """The k-th largest of a flat tensor, exactly. A full selection over a large tensor is the slowest
     step of TIES, so the value is first bracketed by quantiles of a sample; only the entries in the
@@ -199,6 +229,110 @@ def kth_largest(values: torch.Tensor, k: int) -> torch.Tensor:
     if above < k <= above + band.numel():
         return torch.kthvalue(band, band.numel() - (k - above) + 1).values
     return torch.kthvalue(values, n - k + 1).values
+
+
+# Entries per chunk of the streamed methods: a handful of fp32 chunk buffers stay within a core's L2
+# cache (1-2 MiB), and below at::parallel_for's grain (32768 entries: a range of exactly that size is
+# still split between threads) a chunk runs on one thread, so a chunk's many small kernels never wait on
+# an OpenMP barrier. A multiple of every SIMD width (64 entries), so chunk boundaries never split a
+# vector: elementwise results are the same as over the whole tensor.
+CHUNK = 32768 - 64
+
+
+class _Cut:
+    """What TIES keeps of one task vector, applied chunk by chunk in memory order: entries above
+    `threshold`, plus the first `ties` entries equal to it. `zero` drops everything, `threshold` None
+    keeps everything."""
+
+    def __init__(self, threshold: float | None, ties: int = 0, zero: bool = False):
+        self.threshold, self.ties, self.zero = threshold, ties, zero
+        if ties > 0:
+            # The next fp32 value below the threshold: |delta| > it exactly when |delta| >= threshold.
+            below = torch.nextafter(torch.tensor(threshold), torch.tensor(0.0))
+            self.below = float(below)
+
+    def apply(self, delta: torch.Tensor) -> None:
+        if self.zero:
+            delta.zero_()
+            return
+        if self.threshold is None:
+            return
+        if self.ties > 0:
+            # While this chunk's entries at the threshold all fit in the share still to keep, keep them
+            # all with one float comparison; only the chunk where the share runs out needs indices.
+            equal = torch.eq(delta.abs(), self.threshold, out=torch.empty_like(delta))
+            count = int(equal.sum())
+            if count <= self.ties:
+                self.ties -= count
+                torch.hardshrink(delta, self.below, out=delta)
+                return
+            first = equal.nonzero().reshape(-1)[: self.ties]
+            kept = delta[first]
+            self.ties = 0
+            torch.hardshrink(delta, self.threshold, out=delta)
+            delta[first] = kept
+            return
+        # hardshrink zeroes exactly the entries with |delta| <= threshold, in one vectorised pass.
+        torch.hardshrink(delta, self.threshold, out=delta)
+
+
+def _magnitude_cut(base: torch.Tensor, src: torch.Tensor, density: float) -> _Cut:
+    """TIES's cut of the task vector src - base, in fp32: the `density` share of entries with the largest
+    magnitude (at least one); when several entries share the magnitude at the cut, the first ones in
+    memory order. Found without holding the task vector: magnitudes are recomputed chunk by chunk, counted above a sampled
+    bracket, and only the entries inside the bracket are kept for the exact selection."""
+    n = base.numel()
+    if density >= 1:
+        return _Cut(None)
+    if density <= 0 or n == 0:
+        return _Cut(None, zero=True)
+    k = max(1, int(density * n))
+    if n <= 1 << 20:
+        magnitude = _magnitudes(base, src)
+        return _cut_from(magnitude, kth_largest(magnitude, k), k)
+    # In ascending order, so that gathering the sample from a memory-mapped input faults its pages in
+    # file order instead of at random.
+    index = torch.randint(n, (1 << 16,), generator=torch.Generator().manual_seed(0)).sort().values
+    sample = src[index].float().sub_(base[index].float()).abs_()
+    q = (n - k + 1) / n
+    lo = float(torch.quantile(sample, max(0.0, q - 0.01), interpolation="lower"))
+    hi = float(torch.quantile(sample, min(1.0, q + 0.01), interpolation="higher"))
+    above = 0
+    band = []
+    buffer, base_f, scratch = (torch.empty(min(n, CHUNK)) for _ in range(3))
+    inside = torch.empty(min(n, CHUNK), dtype=torch.bool)
+    for start in range(0, n, CHUNK):
+        end = min(n, start + CHUNK)
+        size = end - start
+        magnitude = buffer[:size].copy_(src[start:end])
+        magnitude.sub_(base_f[:size].copy_(base[start:end])).abs_()
+        # Float 0/1 outputs and one bool mask: torch's bool-producing kernels are the slow ones here.
+        above += int(torch.gt(magnitude, hi, out=scratch[:size]).sum())
+        clamped = torch.clamp(magnitude, lo, hi, out=scratch[:size])
+        band.append(magnitude[torch.eq(clamped, magnitude, out=inside[:size])])
+    inside = torch.cat(band)
+    if above < k <= above + inside.numel():
+        threshold = torch.kthvalue(inside, inside.numel() - (k - above) + 1).values
+        return _Cut(float(threshold), _missing(float(threshold), k, above + int((inside > threshold).sum())))
+    # The bracket missed (rare): select over the whole task vector.
+    magnitude = _magnitudes(base, src)
+    return _cut_from(magnitude, torch.kthvalue(magnitude, n - k + 1).values, k)
+
+
+def _magnitudes(base: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """|src - base| in fp32, as a new tensor (src.float() is src itself when it is fp32)."""
+    if src.dtype == torch.float32:
+        return (src - base).abs_()
+    return src.float().sub_(base.float()).abs_()
+
+
+def _cut_from(magnitude: torch.Tensor, threshold: torch.Tensor, k: int) -> _Cut:
+    return _Cut(float(threshold), _missing(float(threshold), k, int((magnitude > threshold).sum())))
+
+
+def _missing(threshold: float, k: int, above: int) -> int:
+    # Entries of magnitude 0 at the cut change nothing whether kept or not.
+    return max(0, k - above) if threshold > 0 else 0
 
 
 def _bernoulli(delta: torch.Tensor, params: Params, generator) -> torch.Tensor:
