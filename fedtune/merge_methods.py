@@ -279,8 +279,9 @@ class _Cut:
 def _magnitude_cut(base: torch.Tensor, src: torch.Tensor, density: float) -> _Cut:
     """TIES's cut of the task vector src - base, in fp32: the `density` share of entries with the largest
     magnitude (at least one); when several entries share the magnitude at the cut, the first ones in
-    memory order. Found without holding the task vector: magnitudes are recomputed chunk by chunk, counted above a sampled
-    bracket, and only the entries inside the bracket are kept for the exact selection."""
+    memory order. Found without holding the task vector: magnitudes are recomputed chunk by chunk,
+    counted above a sampled bracket, and only the entries inside the bracket are kept for the exact
+    selection."""
     n = base.numel()
     if density >= 1:
         return _Cut(None)
