@@ -9,7 +9,8 @@ task: token blocks train a causal LM, labelled rows (task sequence-classificatio
 Every process runs this file; scripts/launch (or torchrun, or srun) starts one per device and sets
 RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT. `--options` is the train
 section of the config (workflow/schemas/train.schema.yaml), merged with the site's overrides: the JSON
-form of fedtune.config.TrainOptions.
+form of fedtune.config.TrainOptions. With its `adapter` set, a LoRA adapter (peft) trains on the frozen
+model and --out is a PEFT adapter folder (fedtune.adapters).
 
 Exit codes:
     0   trained and exported to --out
