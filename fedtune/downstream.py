@@ -85,14 +85,20 @@ def entries_of(requested: Sequence[str], group_subtasks: Mapping[str, Sequence[s
 # The download stage: the tasks' definitions and data into the run folder.
 
 
-def use_datasets_cache(folder: str | Path) -> None:
-    """Point datasets' cache at `folder`. The variable is read when datasets is imported, so an
-    imported module is told too (download's progress set-up imports it first)."""
-    os.environ["HF_DATASETS_CACHE"] = str(folder)
-    if "datasets" in sys.modules:
+def use_datasets_cache(folder: str | Path | None) -> str | None:
+    """Point datasets' cache at `folder` (None: unset) and return the previous setting. The variable is
+    read when datasets is imported, so an imported module is told too (download's progress set-up
+    imports it first). Absolute: a later change of directory must not move the cache."""
+    previous = os.environ.get("HF_DATASETS_CACHE")
+    if folder is None:
+        os.environ.pop("HF_DATASETS_CACHE", None)
+    else:
+        os.environ["HF_DATASETS_CACHE"] = str(Path(folder).resolve())
+    if "datasets" in sys.modules and folder is not None:
         import datasets
 
-        datasets.config.HF_DATASETS_CACHE = Path(folder)
+        datasets.config.HF_DATASETS_CACHE = Path(folder).resolve()
+    return previous
 
 
 class _Tagged(str):
@@ -213,6 +219,8 @@ def prepare(entries: Sequence[str], out: str | Path, *, base_dir: str | Path = "
                     task.yaml, tmp / INCLUDE / task.name, tmp / DATA / task.name, out / DATA / task.name,
                     base_dir,
                 )  # fmt: skip
+    previous_cache = os.environ.get("HF_DATASETS_CACHE")
+    previous_config = sys.modules["datasets"].config.HF_DATASETS_CACHE if "datasets" in sys.modules else None
     try:
         use_datasets_cache(out / DATASETS_CACHE)
         manager = _task_manager([out / INCLUDE], registry=any(t.yaml is None for t in tasks))
@@ -239,6 +247,11 @@ def prepare(entries: Sequence[str], out: str | Path, *, base_dir: str | Path = "
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise
+    finally:
+        # The caller's cache again (a test, or a process that loads other data sets after this).
+        use_datasets_cache(previous_cache)
+        if previous_config is not None:
+            sys.modules["datasets"].config.HF_DATASETS_CACHE = previous_config
     return record
 
 

@@ -117,7 +117,10 @@ def test_a_task_yamls_includes_functions_and_data_are_copied(tmp_path, monkeypat
         "include: base.yaml\ntask: mine\nprocess_docs: !function utils.keep\n"
     )
     monkeypatch.chdir(user)
+    cache_before = os.environ.get("HF_DATASETS_CACHE")
     record = prepare(["tasks/mine.yaml"], "run/tasks")
+    # The caller's data set cache is given back: later loads in this process do not write into the run.
+    assert os.environ.get("HF_DATASETS_CACHE") == cache_before
     assert record["tasks"][0]["name"] == "mine" and record["tasks"][0]["subtasks"] == ["mine"]
     copy = user / "run" / "tasks" / "include" / "mine"
     assert sorted(p.name for p in copy.iterdir()) == ["base.yaml", "mine.yaml", "utils.py"]
