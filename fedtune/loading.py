@@ -1,13 +1,14 @@
 """Starting weights loaded once, not once per rank: the model is built on the meta device (no memory),
 sharded by the backend, materialised shard by shard on its device, and filled from the safetensors files,
-which only rank 0 reads, one tensor at a time, broadcasting it to the ranks that hold a part of it
-(`set_model_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)`, as torchtune does).
+which only rank 0 reads, a few rows at a time, broadcasting them to every rank, which keeps the rows of
+its shard (what `set_model_state_dict(..., broadcast_from_rank0=True)` does for torchtune, but through
+one reused buffer instead of a whole tensor per rank).
 
     backend = load_backend(init, options, job, accumulation, task=..., allow_pickle=...)
 
 Host memory of a node while loading: each rank's shards (one fp32 copy of the model over the node's
-ranks on CPU; nothing on the host with GPUs) plus one tensor, instead of every rank's whole fp32
-model. Reading on global rank 0 rather than on each node's local rank 0 is what broadcast_from_rank0
+ranks on CPU; nothing on the host with GPUs) plus a 16 MiB buffer per rank, instead of every rank's
+whole fp32 model. Reading on global rank 0 rather than on each node's local rank 0 is what broadcast_from_rank0
 offers, and it is less host memory still (ranks on other nodes receive their parts over the network).
 
 DeepSpeed ZeRO-3 loads under `deepspeed.zero.Init` instead (Hugging Face's integration: an
@@ -197,32 +198,117 @@ def read_tensor(entry) -> torch.Tensor:
     return data.view(ST_DTYPES[dtype]).reshape(shape)
 
 
+# Bytes broadcast at a time while filling the shards. Each rank holds one buffer of this size for the
+# whole load, whatever the model: receiving whole tensors (the embedding is a third of a small model)
+# put one transient copy per rank on the node, and glibc kept those freed buffers in its heap.
+FILL_CHUNK_BYTES = 16 << 20
+
+
 def fill_from_rank0(model, model_dir: Path, job) -> None:
-    """Copy the folder's weights into the sharded, materialised `model`: rank 0 reads one tensor at a
-    time and broadcasts it; every rank keeps its part (collective). One tensor, not one layer: a
-    layer is 3% of Llama-2-7B but a sixth of a 6-layer test model, and the calls are cheap."""
+    """Copy the folder's weights into the sharded, materialised `model`: rank 0 reads each tensor a
+    few rows at a time (FILL_CHUNK_BYTES) and broadcasts them into one reused buffer; every rank copies
+    the rows of its own shard (collective). Parameters sharded other than along their first dimension
+    go through `set_model_state_dict(..., broadcast_from_rank0=True)` whole."""
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     from fedtune.models import ModelError
 
-    expected = set(model.state_dict())
-    plan = None
+    state = model.state_dict()  # sharded DTensors and plain tensors, sharing the parameters' storage
+    plan, index = None, {}
     if job.rank == 0:
         index = tensor_index(model_dir)
         tied = _tied_names(model)
-        missing = sorted(expected - set(index) - tied)
-        plan = {"missing": missing, "names": [name for name in index if name in expected]}
+        missing = sorted(set(state) - set(index) - tied)
+        names = [name for name in index if name in state]
+        wrong = [
+            f"{name} {list(index[name][3])} (the model has {list(state[name].shape)})"
+            for name in names
+            if list(index[name][3]) != list(state[name].shape)
+        ]
+        plan = {"missing": missing, "wrong": wrong, "names": names}
     shared = [plan]
     dist.broadcast_object_list(shared, src=0)
     plan = shared[0]
     if plan["missing"]:
         raise ModelError(f"{model_dir}: the weights lack {', '.join(plan['missing'][:5])}")
+    if plan["wrong"]:
+        raise ModelError(f"{model_dir}: tensors of the wrong shape: {'; '.join(plan['wrong'][:5])}")
+    buffer = torch.empty(FILL_CHUNK_BYTES, dtype=torch.uint8, device=job.device)
+    with torch.no_grad():
+        for name in plan["names"]:
+            target = state[name]
+            rows = _row_part(target)
+            if rows is None:
+                _fill_whole(model, name, index[name] if job.rank == 0 else None)
+                continue
+            buffer = _fill_rows(target, rows, buffer, index[name] if job.rank == 0 else None, dist)
+
+
+def _row_part(target):
+    """(this rank's local tensor, its first row in the whole tensor) when the tensor is whole or split
+    along its first dimension only; None otherwise."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(target, DTensor):
+        return target, 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+    if list(shape[1:]) != list(target.shape[1:]) or any(offset[1:]):
+        return None
+    return target.to_local(), offset[0] if offset else 0
+
+
+def _fill_rows(target, rows, buffer, entry, dist):
+    """Broadcast `target`'s rows from rank 0's file in chunks; keep the rows of this rank's part."""
+    local, first = rows
+    whole = target.shape
+    count = whole[0] if len(whole) else 1
+    row_numel = target.numel() // count if count else 0
+    if row_numel == 0:
+        return buffer
+    itemsize = target.element_size()
+    per_chunk = max(1, FILL_CHUNK_BYTES // (row_numel * itemsize))
+    if per_chunk * row_numel * itemsize > buffer.numel():  # one row above the chunk size
+        buffer = torch.empty(per_chunk * row_numel * itemsize, dtype=torch.uint8, device=buffer.device)
+    held = local.reshape(1, *local.shape) if local.dim() == 0 else local
+    stream = open(entry[0], "rb") if entry is not None else None
+    try:
+        for start in range(0, count, per_chunk):
+            stop = min(count, start + per_chunk)
+            chunk = buffer[: (stop - start) * row_numel * itemsize].view(target.dtype)
+            if stream is not None:
+                chunk.copy_(_read_rows(stream, entry, start, stop, row_numel))  # cast to the model's dtype
+            dist.broadcast(chunk, src=0)
+            low, high = max(start, first), min(stop, first + held.shape[0])
+            if low < high:
+                part = chunk.view(stop - start, *held.shape[1:])[low - start : high - start]
+                held[low - first : high - first].copy_(part)
+    finally:
+        if stream is not None:
+            stream.close()
+    return buffer
+
+
+def _read_rows(stream, entry, start: int, stop: int, row_numel: int) -> torch.Tensor:
+    path, offset, dtype, _, _ = entry
+    kind = ST_DTYPES[dtype]
+    itemsize = torch.empty((), dtype=kind).element_size()
+    nbytes = (stop - start) * row_numel * itemsize
+    data = torch.empty(nbytes, dtype=torch.uint8)
+    stream.seek(offset + start * row_numel * itemsize)
+    if stream.readinto(memoryview(data.numpy())) != nbytes:
+        raise OSError(f"{path}: truncated tensor data")
+    return data.view(kind)
+
+
+def _fill_whole(model, name: str, entry) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
-    for name in plan["names"]:
-        # Cast on rank 0 before the broadcast: the receivers allocate what rank 0 announces.
-        part = {name: _as_fp32(read_tensor(index[name]))} if job.rank == 0 else {}
-        set_model_state_dict(model, part, options=options)
+    # Cast on rank 0 before the broadcast: the receivers allocate what rank 0 announces.
+    part = {name: _as_fp32(read_tensor(entry))} if entry is not None else {}
+    set_model_state_dict(model, part, options=options)
 
 
 def _as_fp32(tensor: torch.Tensor) -> torch.Tensor:
