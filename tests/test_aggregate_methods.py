@@ -207,3 +207,11 @@ def test_streamed_ties_equals_the_whole_tensor_definition_bit_for_bit(dtype):
         ours = merge_methods.ties(base, sites, weights, {"density": density, "lambda": lam})
         reference = whole_tensor_ties(base, sites, weights, density, lam)
         assert torch.equal(ours.view(torch.int32), reference.view(torch.int32)), density
+
+
+def test_band_buffer_grows_and_keeps_what_was_added():
+    band = merge_methods._Band(2)
+    pieces = [torch.tensor([3.0, 1.0, 2.0]), torch.tensor([]), torch.arange(5.0)]
+    for piece in pieces:
+        band.add(piece)
+    assert torch.equal(band.values(), torch.cat(pieces))

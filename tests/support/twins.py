@@ -40,6 +40,8 @@ PROCESSES = 2
 MAX_MICRO_BATCH = 4
 TOKENIZE_SHARDS = 1
 MAX_STEPS = 12
+# More than one round, so that a round starts from the aggregate of the one before; a third adds minutes.
+MAX_ROUNDS = 2
 TEST_DOCUMENTS = 48
 EVAL_DOCUMENTS = 24
 # A tiny random model learns little in a dozen steps at a pretrained 7B model's fine-tuning rate.
@@ -463,6 +465,7 @@ RESIZED = {
     "evaluate.batch_size": "small batches",
     "evaluate.max_documents": "a few documents",
     "federation.remotes": "dropped: every site trains here",
+    "federation.rounds": f"{MAX_ROUNDS} rounds at most: still a round that starts from the last one's aggregate",
     "sweep.values": "devices this machine has (CPU processes)",
     **{
         f"{where}.{key}": reason
@@ -602,6 +605,8 @@ def twin_config(example: dict, assets: Path, *, source: str) -> dict:
         evaluate["max_documents"] = min(evaluate["max_documents"], EVAL_DOCUMENTS)
     if twin.get("federation", {}).get("remotes"):
         del twin["federation"]["remotes"]
+    if twin.get("federation", {}).get("rounds", 1) > MAX_ROUNDS:
+        twin["federation"]["rounds"] = MAX_ROUNDS
     sweep = twin.get("sweep")
     if sweep and sweep.get("axis", "devices") == "devices":
         sweep["values"] = [v for v in sweep["values"] if v <= PROCESSES] or [1]
