@@ -50,7 +50,7 @@ def variants(rounds: int, steps: int) -> dict[str, dict]:
         chosen[f"fedadam-6x{rounds * steps // 6}"] = {
             "federation": {"rounds": 6},
             "train": {"max_steps": rounds * steps // 6},
-            "aggregate": {"server_optimizer": {"name": "fedadam", "lr": 0.1}},
+            "aggregate": {"server_optimizer": {"name": "fedadam", "lr": 0.1, "betas": [0.95, 0.99]}},
         }
     return chosen
 
