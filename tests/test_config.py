@@ -25,7 +25,8 @@ def test_demo_config_is_valid_and_defaults_are_filled():
     assert config["sites"]["alpha"]["dataset"]["max_documents"] is None
     assert config["aggregate"]["weights"] == "tokens"
     assert config["federation"]["rounds"] == 6 and config["federation"]["lr_schedule"] == "continue"
-    assert config["aggregate"]["server_optimizer"]["betas"] == [0.9, 0.99]  # a default inside a section
+    assert config["aggregate"]["server_optimizer"]["tau"] == 0.001  # a default inside a section
+    assert config["aggregate"]["server_optimizer"]["betas"] == [0.95, 0.99]  # the demo's own
     assert config["model"]["trust_remote_code"] is False
     # Defaults reach into the section schemas that live in their own files.
     assert config["train"]["backend"] == "fsdp"
