@@ -8,8 +8,9 @@ one reused buffer instead of a whole tensor per rank).
 
 Host memory of a node while loading: each rank's shards (one fp32 copy of the model over the node's
 ranks on CPU; nothing on the host with GPUs) plus a 16 MiB buffer per rank, instead of every rank's
-whole fp32 model. Reading on global rank 0 rather than on each node's local rank 0 is what broadcast_from_rank0
-offers, and it is less host memory still (ranks on other nodes receive their parts over the network).
+whole fp32 model. Reading on global rank 0 rather than on each node's local rank 0 is what
+broadcast_from_rank0 offers, and it is less host memory still (ranks on other nodes receive their parts
+over the network).
 
 DeepSpeed ZeRO-3 loads under `deepspeed.zero.Init` instead (Hugging Face's integration: an
 `HfDeepSpeedConfig` alive during `from_pretrained`): each parameter is partitioned as it is created, and
