@@ -312,8 +312,9 @@ def _magnitude_cuts(base: torch.Tensor, sites: Sequence[torch.Tensor], density: 
         base_f = base_full[:size].copy_(base[start:end])
         scratch, inside = scratch_full[:size], inside_full[:size]
         for i, (src, (lo, hi)) in enumerate(zip(sites, brackets, strict=True)):
-            # src's dtype is promoted to fp32 before subtracting: the same values as src.float() - base_f.
-            magnitude = torch.sub(src[start:end], base_f, out=magnitude_full[:size]).abs_()
+            # Copied to fp32 before subtracting, as the merge pass computes its deltas: a mixed-dtype sub
+            # would round fp64 inputs after subtracting, and the cut would not match the deltas it trims.
+            magnitude = magnitude_full[:size].copy_(src[start:end]).sub_(base_f).abs_()
             # Float 0/1 outputs and one bool mask: torch's bool-producing kernels are the slow ones here.
             above[i] += int(torch.gt(magnitude, hi, out=scratch).sum())
             clamped = torch.clamp(magnitude, lo, hi, out=scratch)
