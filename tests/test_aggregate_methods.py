@@ -194,7 +194,7 @@ def whole_tensor_ties(base, sites, weights, density, lam):
     return mixed / divisor * lam
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
 def test_streamed_ties_equals_the_whole_tensor_definition_bit_for_bit(dtype):
     # Over 1M entries (the sampled bracket's path) and many chunks; fp16-rounded values put thousands
     # of entries at every cut, so the ties at the cut run out in the middle of a chunk.
