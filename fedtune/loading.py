@@ -191,12 +191,16 @@ def read_tensor(entry) -> torch.Tensor:
     """One tensor read with plain file reads: private memory for this tensor only, no memory map
     whose pages would stay resident in this process."""
     path, offset, dtype, shape, nbytes = entry
-    data = torch.empty(nbytes, dtype=torch.uint8)
     with open(path, "rb") as stream:
-        stream.seek(offset)
-        if stream.readinto(memoryview(data.numpy())) != nbytes:
-            raise OSError(f"{path}: truncated tensor data")
-    return data.view(ST_DTYPES[dtype]).reshape(shape)
+        return _read_bytes(stream, path, offset, nbytes).view(ST_DTYPES[dtype]).reshape(shape)
+
+
+def _read_bytes(stream, path: Path, offset: int, nbytes: int) -> torch.Tensor:
+    data = torch.empty(nbytes, dtype=torch.uint8)
+    stream.seek(offset)
+    if stream.readinto(memoryview(data.numpy())) != nbytes:
+        raise OSError(f"{path}: truncated tensor data")
+    return data
 
 
 # Bytes broadcast at a time while filling the shards. Each rank holds one buffer of this size for the
@@ -242,7 +246,7 @@ def fill_from_rank0(model, model_dir: Path, job) -> None:
             if rows is None:
                 _fill_whole(model, name, index[name] if job.rank == 0 else None)
                 continue
-            buffer = _fill_rows(target, rows, buffer, index[name] if job.rank == 0 else None, dist)
+            buffer = _fill_rows(target, rows, buffer, index[name] if job.rank == 0 else None)
 
 
 def _row_part(target):
@@ -260,8 +264,10 @@ def _row_part(target):
     return target.to_local(), offset[0] if offset else 0
 
 
-def _fill_rows(target, rows, buffer, entry, dist):
+def _fill_rows(target, rows, buffer, entry):
     """Broadcast `target`'s rows from rank 0's file in chunks; keep the rows of this rank's part."""
+    import torch.distributed as dist
+
     local, first = rows
     whole = target.shape
     count = whole[0] if len(whole) else 1
@@ -294,13 +300,8 @@ def _fill_rows(target, rows, buffer, entry, dist):
 def _read_rows(stream, entry, start: int, stop: int, row_numel: int) -> torch.Tensor:
     path, offset, dtype, _, _ = entry
     kind = ST_DTYPES[dtype]
-    itemsize = torch.empty((), dtype=kind).element_size()
-    nbytes = (stop - start) * row_numel * itemsize
-    data = torch.empty(nbytes, dtype=torch.uint8)
-    stream.seek(offset + start * row_numel * itemsize)
-    if stream.readinto(memoryview(data.numpy())) != nbytes:
-        raise OSError(f"{path}: truncated tensor data")
-    return data.view(kind)
+    row_bytes = row_numel * kind.itemsize
+    return _read_bytes(stream, path, offset + start * row_bytes, (stop - start) * row_bytes).view(kind)
 
 
 def _fill_whole(model, name: str, entry) -> None:
