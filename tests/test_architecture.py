@@ -4,6 +4,7 @@ fedtune's modules (counting the imports inside functions too, which a circle wou
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,10 +17,11 @@ def imported_fedtune_modules(path: Path) -> set[str]:
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module == "fedtune":
-                found |= {f"fedtune.{alias.name}" for alias in node.names}
-            elif node.module.startswith("fedtune."):
+            if node.module == "fedtune" or node.module.startswith("fedtune."):
+                # `from fedtune.core import cli` names a module; `from fedtune.core.config import X` a name
+                # (import_graph keeps only what is a module).
                 found.add(node.module)
+                found |= {f"{node.module}.{alias.name}" for alias in node.names}
         elif isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names if alias.name.startswith("fedtune.")}
     return found
@@ -81,3 +83,46 @@ def test_no_import_circle_among_fedtune_modules():
 def test_the_cycle_finder_finds_a_circle():
     # The check above is only worth something if a circle would be found.
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+
+
+DESIGN = PACKAGE.parent / "docs" / "design.md"
+MAP_START, MAP_END = "<!-- module map: begin -->", "<!-- module map: end -->"
+
+
+def short(module: str) -> str:
+    return module.removeprefix("fedtune.")
+
+
+def module_map_rows() -> list[str]:
+    """The table docs/design.md must hold: every module and the fedtune modules it imports."""
+    graph = import_graph()
+    rows = ["| module | imports from fedtune (inside functions too) |", "|---|---|"]
+    for name in sorted(graph):
+        imports = ", ".join(short(m) for m in sorted(graph[name])) or "nothing"
+        rows.append(f"| `{short(name)}` | {imports} |")
+    return rows
+
+
+def test_design_module_map_matches_the_imports():
+    text = DESIGN.read_text(encoding="utf-8")
+    assert MAP_START in text and MAP_END in text, f"docs/design.md lost its module map markers ({MAP_START})"
+    written = text.split(MAP_START)[1].split(MAP_END)[0].strip().splitlines()
+    expected = module_map_rows()
+    assert written == expected, "docs/design.md's module map is stale; write:\n" + "\n".join(expected)
+
+
+def test_no_rule_reads_the_raw_config():
+    # Settings reach rules only as fedtune.core.config's objects (RUN); common.smk builds RUN from `config`.
+    rules = PACKAGE.parent / "workflow" / "rules"
+    for path in [PACKAGE.parent / "Snakefile", *sorted(rules.glob("*.smk"))]:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#")[0]
+            if "build_run_config(" in code or (path.name == "common.smk" and code.strip() == "config,"):
+                continue
+            assert not re.search(r"(?<![\w.])config\s*[\[.(]|to_json\(config\)", code), (
+                f"{path.name}:{number}: {line}"
+            )
+
+
+if __name__ == "__main__":
+    print("\n".join(module_map_rows()))

@@ -96,10 +96,6 @@ def wrap(model, adapter: dict, task: str):
         raise ConfigError(f"train.adapter: {error}") from None
 
 
-def trainable_names(model) -> set[str]:
-    return {name for name, p in model.named_parameters() if p.requires_grad}
-
-
 def write_adapter(model, state: dict, folder: Path, dtype: str) -> None:
     """The PEFT folder of `model` (the PeftModel as built, not its distributed wrapper) holding the
     gathered trainable tensors `state`, stored in `dtype` like a full model's export."""

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import sys
 from collections.abc import Callable
 
-from fedtune.core.config import UserError
+from fedtune.core.config import UserError, parse_json
 from fedtune.core.secrets import redact
 
 EXIT_USER_ERROR = 2
@@ -69,3 +70,20 @@ def entry(module: str) -> Callable:
         return run
 
     return wrap
+
+
+def json_option(text: str, option: str):
+    """A JSON-valued option, or a UserError naming it."""
+    return parse_json(text, option)
+
+
+def json_file(path, option: str):
+    """A JSON file named by an option, or a UserError naming the option and the file."""
+    try:
+        text = open(path, encoding="utf-8").read()
+    except OSError as error:
+        raise UserError(f"{option}: {path}: {error.strerror or error}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise UserError(f"{option}: {path}: not valid JSON: {error}") from None

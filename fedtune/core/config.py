@@ -159,7 +159,7 @@ def deep_merge(base: Mapping, override: Mapping) -> dict:
     return merged
 
 
-def _parse_json(text: str, source: str) -> Any:
+def parse_json(text: str, source: str) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
@@ -264,7 +264,7 @@ class _Options:
 
     @classmethod
     def from_json(cls, text: str, *, source: str = "--options"):
-        return cls.from_mapping(_parse_json(text, source), source=source)
+        return cls.from_mapping(parse_json(text, source), source=source)
 
     @classmethod
     def _validated(cls, data: Mapping, source: str, prefix: str) -> dict:
@@ -618,6 +618,7 @@ class RunConfig:
     sweep_site: str | None
     sweep_axis: str | None
     sweep: tuple[SweepPoint, ...]
+    tracking: dict
 
     @property
     def run_dir(self) -> Path:
@@ -833,6 +834,7 @@ def build_run_config(config: dict, *, source: str = "config", base_dir: Path | N
         sweep_site=sweep_site,
         sweep_axis=sweep["axis"] if sweep else None,
         sweep=points,
+        tracking=config["tracking"],
     )
 
 

@@ -236,9 +236,13 @@ def load_causal_lm(model_dir: str | Path, **kwargs):
 def load_tokenizer(model_dir: str | Path, *, trust_remote_code: bool = False, revision: str | None = None):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(
-        model_dir, trust_remote_code=trust_remote_code, revision=revision
-    )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            model_dir, trust_remote_code=trust_remote_code, revision=revision
+        )
+    except OSError as error:
+        # A folder without a tokenizer, or a hub name with the network off: the user names another.
+        raise ModelError(f"{model_dir}: no tokenizer could be loaded: {error}") from None
     if not tokenizer.is_fast:
         raise ModelError(f"{model_dir}: fedtune needs a fast (Rust) tokenizer; tokenizer.json is missing")
     return tokenizer

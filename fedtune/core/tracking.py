@@ -30,6 +30,7 @@ import math
 from collections.abc import Mapping
 from pathlib import Path
 
+from fedtune.core import cli
 from fedtune.core.config import UserError
 
 BACKENDS = ("none", "tensorboard", "wandb")
@@ -337,13 +338,12 @@ def log_training_folder(
     return len(lines) - 1
 
 
+@cli.entry("fedtune.core.tracking")
 def main(argv=None) -> int:
-    import argparse
-    import sys
 
-    parser = argparse.ArgumentParser(
-        prog="python -m fedtune.core.tracking",
-        description="Send a stage's results, as written in the run folder, to the configured tracker.",
+    parser = cli.parser(
+        "fedtune.core.tracking",
+        "Send a stage's results, as written in the run folder, to the configured tracker.",
     )
     parser.add_argument("what", choices=["training", "aggregate", "evaluation"])
     parser.add_argument(
@@ -356,23 +356,17 @@ def main(argv=None) -> int:
     parser.add_argument("--round", type=int, help="training, aggregate: the round")
     parser.add_argument("--site", help="training: the site")
     args = parser.parse_args(argv)
-    try:
-        options = check_available(json.loads(args.tracking))
-        if args.what == "evaluation":
-            log_evaluation(options, json.loads(Path(args.path).read_text()), run=args.run_name)
-        elif args.round is None or (args.what == "training" and args.site is None):
-            raise TrackingError(
-                f"{args.what}: needs --round" + (" and --site" if args.what == "training" else "")
-            )
-        elif args.what == "aggregate":
-            log_aggregate(
-                options, json.loads(Path(args.path).read_text()), run=args.run_name, round=args.round
-            )
-        else:
-            log_training_folder(options, args.path, run=args.run_name, round=args.round, site=args.site)
-    except (TrackingError, OSError, json.JSONDecodeError) as e:
-        print(f"tracking: error: {e}", file=sys.stderr)
-        return 2
+    options = check_available(cli.json_option(args.tracking, "--tracking"))
+    if args.what == "evaluation":
+        log_evaluation(options, cli.json_file(args.path, "--path"), run=args.run_name)
+    elif args.round is None or (args.what == "training" and args.site is None):
+        raise TrackingError(
+            f"{args.what}: needs --round" + (" and --site" if args.what == "training" else "")
+        )
+    elif args.what == "aggregate":
+        log_aggregate(options, cli.json_file(args.path, "--path"), run=args.run_name, round=args.round)
+    else:
+        log_training_folder(options, args.path, run=args.run_name, round=args.round, site=args.site)
     return 0
 
 

@@ -9,16 +9,17 @@ source is not there (yet)."""
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+from fedtune.core import cli
 from fedtune.core.atomic import atomic_dir
+from fedtune.core.config import UserError
 
 
-class TransferError(RuntimeError):
+class TransferError(UserError):
     """A transfer that failed or brought something incomplete: the message says what to run where."""
 
 
@@ -64,21 +65,14 @@ def fetch(source: str, out: str | Path, *, hint: str = "", rsync: str = "rsync")
     return out
 
 
+@cli.entry("fedtune.core.transfer")
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m fedtune.core.transfer",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = cli.parser("fedtune.core.transfer", __doc__)
     parser.add_argument("--source", required=True, help="rsync source: a folder or a .json file")
     parser.add_argument("--out", required=True)
     parser.add_argument("--hint", default="", help="what to run where when the source is missing")
     args = parser.parse_args(argv)
-    try:
-        fetch(args.source, args.out, hint=args.hint)
-    except (TransferError, OSError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    fetch(args.source, args.out, hint=args.hint)
     return 0
 
 

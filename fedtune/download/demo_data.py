@@ -4,10 +4,11 @@ kitchen recipes, `beta` writes Italian weather bulletins. The files in data/demo
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 from pathlib import Path
+
+from fedtune.core import cli
 
 RECIPE = {
     "dish": ["soup", "stew", "risotto", "pie", "salad", "curry", "bread", "omelette", "pasta", "tart"],
@@ -116,8 +117,9 @@ def write(out_dir: str | Path, seed: int = 0) -> list[Path]:
     return written
 
 
+@cli.entry("fedtune.download.demo_data")
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m fedtune.download.demo_data", description=__doc__)
+    parser = cli.parser("fedtune.download.demo_data", __doc__)
     parser.add_argument("out_dir", help="folder to write <site>/{train,test}.jsonl into")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(

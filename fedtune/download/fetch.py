@@ -18,12 +18,11 @@ Hub tokens come from the environment (HF_TOKEN), never from the config or the co
 
 from __future__ import annotations
 
-import argparse
-import json
 import shutil
 import sys
 from pathlib import Path
 
+from fedtune.core import cli
 from fedtune.core.atomic import atomic_dir, write_json
 from fedtune.core.config import (
     CAUSAL_LM,
@@ -35,7 +34,6 @@ from fedtune.core.config import (
     torch_dtype,
     validate_section,
 )
-from fedtune.core.secrets import redact
 
 SPLITS = ("train", "test")
 FORMATS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet", ".csv": "csv"}
@@ -244,12 +242,9 @@ def _download_measure(spec: dict):
     return lambda: folder_size(folder)
 
 
+@cli.entry("fedtune.download.fetch")
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m fedtune.download",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = cli.parser("fedtune.download.fetch", __doc__)
     sub = parser.add_subparsers(dest="what", required=True)
     data = sub.add_parser("data", help="a site's train and test splits, saved with save_to_disk")
     data.add_argument("--spec", required=True, help="the site's dataset section as JSON")
@@ -279,7 +274,7 @@ def main(argv=None) -> int:
     try:
         if args.what == "data":
             with progress.Heartbeat(f"download data to {args.out}"):
-                download_data(json.loads(args.spec), args.out, args.num_labels)
+                download_data(cli.json_option(args.spec, "--spec"), args.out, args.num_labels)
         elif args.what == "tasks":
             from fedtune.evaluate.downstream import prepare
 
@@ -287,12 +282,15 @@ def main(argv=None) -> int:
                 record = prepare(args.tasks, args.out)
             print(f"saved {', '.join(t['name'] for t in record['tasks'])} to {args.out}")
         else:
-            spec = json.loads(args.spec)
+            spec = cli.json_option(args.spec, "--spec")
             with progress.Heartbeat(f"download model to {args.out}", measure=_download_measure(spec)):
-                download_model(spec, args.out, json.loads(args.corpora), args.task)
-    except (UserError, ValueError, OSError) as error:
-        print(f"error: {redact(str(error))}", file=sys.stderr)
-        return 2
+                download_model(spec, args.out, cli.json_option(args.corpora, "--corpora"), args.task)
+    except UserError:
+        raise
+    except (ValueError, OSError) as error:
+        # The hub and the data set libraries say what they could not find or reach: a name, a revision,
+        # a file or the network, each for the user to fix.
+        raise DataError(str(error)) from error
     return 0
 
 

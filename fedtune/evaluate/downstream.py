@@ -24,7 +24,6 @@ JSON ({model, round, tasks: {task: {metric: value}}}), by its suffix."""
 
 from __future__ import annotations
 
-import argparse
 import csv
 import io
 import math
@@ -36,7 +35,7 @@ from pathlib import Path
 
 import yaml
 
-from fedtune.core import offline
+from fedtune.core import cli, offline
 from fedtune.core.atomic import atomic_dir, write_json, write_text
 from fedtune.core.config import UserError, check_downstream_installed, downstream_task, resolve_path
 
@@ -342,11 +341,12 @@ def to_csv(
     return buffer.getvalue()
 
 
+@cli.entry("fedtune.evaluate.downstream")
 def main(argv: Sequence[str] | None = None) -> int:
     offline.enforce()
-    parser = argparse.ArgumentParser(
-        prog="python -m fedtune.evaluate.downstream",
-        description=__doc__.split("\n\n")[0],
+    parser = cli.parser(
+        "fedtune.evaluate.downstream",
+        __doc__.split("\n\n")[0],
         epilog="Exit codes: 0 done, 2 a user error (one line naming the option, task or file).",
     )
     parser.add_argument("--model", required=True, help="HF model folder (save_pretrained)")
@@ -367,26 +367,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--round", type=int, default=None, help="federation round of the model (base: 0)")
     parser.add_argument("--out", required=True, help="result file: .csv or .json")
     args = parser.parse_args(argv)
-    try:
-        check_downstream_installed("fedtune.evaluate.downstream")
-        include_path = list(args.include_path)
-        tasks, registry = args.tasks, True
-        if args.tasks_dir is not None:
-            record = read_tasks_dir(args.tasks_dir)
-            use_datasets_cache(Path(args.tasks_dir) / DATASETS_CACHE)
-            include_path.insert(0, Path(args.tasks_dir) / INCLUDE)
-            tasks = tasks or [t["name"] for t in record["tasks"]]
-            registry = any(t["yaml"] is None for t in record["tasks"])
-        if not tasks:
-            raise DownstreamError("--tasks: name at least one task (or give --tasks-dir)")
-        table, entries = run_tasks(
-            args.model, tasks, include_path=include_path, registry=registry, batch_size=args.batch_size,
-            device=args.device, limit=args.limit, num_fewshot=args.num_fewshot, dtype=args.dtype,
-            base=args.base,
-        )  # fmt: skip
-    except UserError as e:
-        print(f"downstream: error: {e}", file=sys.stderr)
-        return 2
+    check_downstream_installed("fedtune.evaluate.downstream")
+    include_path = list(args.include_path)
+    tasks, registry = args.tasks, True
+    if args.tasks_dir is not None:
+        record = read_tasks_dir(args.tasks_dir)
+        use_datasets_cache(Path(args.tasks_dir) / DATASETS_CACHE)
+        include_path.insert(0, Path(args.tasks_dir) / INCLUDE)
+        tasks = tasks or [t["name"] for t in record["tasks"]]
+        registry = any(t["yaml"] is None for t in record["tasks"])
+    if not tasks:
+        raise DownstreamError("--tasks: name at least one task (or give --tasks-dir)")
+    table, entries = run_tasks(
+        args.model, tasks, include_path=include_path, registry=registry, batch_size=args.batch_size,
+        device=args.device, limit=args.limit, num_fewshot=args.num_fewshot, dtype=args.dtype,
+        base=args.base,
+    )  # fmt: skip
     label = args.label or Path(args.model).name
     if args.out.endswith(".csv"):
         write_text(args.out, to_csv(table, entries, label, args.round))

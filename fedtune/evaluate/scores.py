@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedtune.core import adapters, offline, tracking
+from fedtune.core import adapters, cli, offline, tracking
 from fedtune.core.accelerators import check_device
 from fedtune.core.atomic import write_json
 from fedtune.core.config import (
@@ -413,11 +413,11 @@ def _tracking_options(args) -> dict | None:
     return options
 
 
+@cli.entry("fedtune.evaluate.scores")
 def main(argv: Sequence[str] | None = None) -> int:
     offline.enforce()
-    parser = argparse.ArgumentParser(
-        prog="python -m fedtune.evaluate",
-        description="Perplexity and bits per byte of one model on one site's raw test split.",
+    parser = cli.parser(
+        "fedtune.evaluate.scores", "Perplexity and bits per byte of one model on one site's raw test split."
     )
     parser.add_argument(
         "--model", required=True, help="HF model folder (save_pretrained) or PEFT adapter folder"
@@ -464,28 +464,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--run-name", default=None, help="the run's name, for the tracked run's name")
     args = parser.parse_args(argv)
 
-    try:
-        tracked = _tracking_options(args)
-        options = resolve_options(args.options, {key: getattr(args, key) for key in OPTION_KEYS})
-        result = evaluate(
-            args.model,
-            args.data,
-            split=args.split,
-            text_field=args.text_field,
-            template=args.template,
-            add_bos=args.add_bos,
-            device=args.device,
-            site=args.site,
-            label=args.label,
-            round_number=args.round,
-            task=args.task,
-            label_field=args.label_field,
-            base=args.base,
-            **{key: getattr(options, key) for key in OPTION_KEYS},
-        )
-    except UserError as e:
-        print(f"evaluate: error: {e}", file=sys.stderr)
-        return 2
+    tracked = _tracking_options(args)
+    options = resolve_options(args.options, {key: getattr(args, key) for key in OPTION_KEYS})
+    result = evaluate(
+        args.model,
+        args.data,
+        split=args.split,
+        text_field=args.text_field,
+        template=args.template,
+        add_bos=args.add_bos,
+        device=args.device,
+        site=args.site,
+        label=args.label,
+        round_number=args.round,
+        task=args.task,
+        label_field=args.label_field,
+        base=args.base,
+        **{key: getattr(options, key) for key in OPTION_KEYS},
+    )
     write_json(args.out, result)
     if tracked is not None:
         tracking.log_evaluation(tracked, result, run=args.run_name)

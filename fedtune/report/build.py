@@ -21,7 +21,6 @@ For classifiers (task sequence-classification) accuracy takes the place of perpl
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from fedtune.core import offline
+from fedtune.core import cli, offline
 from fedtune.core.atomic import write_text
 from fedtune.core.config import CAUSAL_LM, CLASSIFICATION, UserError
 
@@ -378,10 +377,6 @@ def _pyplot():
     return plt
 
 
-def _short(value: float) -> str:
-    return f"{value:,.0f}" if value >= 1000 else f"{value:.2f}"
-
-
 def heatmap(table: pd.DataFrame, path: Path, title: str, metrics: Metrics = TASK_METRICS[CAUSAL_LM]) -> None:
     import numpy as np
 
@@ -617,11 +612,12 @@ def _settings(path: str | None) -> dict | None:
     return settings
 
 
+@cli.entry("fedtune.report.build")
 def main(argv: Sequence[str] | None = None) -> int:
     offline.enforce()
-    parser = argparse.ArgumentParser(
-        prog="python -m fedtune.report",
-        description="Tables and figures of a run: perplexity per model and site, training summary, loss.",
+    parser = cli.parser(
+        "fedtune.report.build",
+        "Tables and figures of a run: perplexity per model and site, training summary, loss.",
     )
     parser.add_argument("--out", required=True, help="report folder")
     parser.add_argument(
@@ -651,18 +647,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--task-names", nargs="+", action="extend", default=[], metavar="TASK", help="one table per task"
     )
     args = parser.parse_args(argv)
-    try:
-        training = [parse_labelled(item, "--training") for item in args.training]
-        losses = [parse_labelled(item, "--loss") for item in args.loss]
-        settings = _settings(args.settings)
-        if bool(args.tasks) != bool(args.task_names):
-            raise ReportError(
-                "--tasks and --task-names go together: the score CSVs and the tasks to tabulate"
-            )
-        paths = report(args.out, args.eval, training, losses, settings, args.tasks, args.task_names)
-    except ReportError as e:
-        print(f"report: error: {e}", file=sys.stderr)
-        return 2
+    training = [parse_labelled(item, "--training") for item in args.training]
+    losses = [parse_labelled(item, "--loss") for item in args.loss]
+    settings = _settings(args.settings)
+    if bool(args.tasks) != bool(args.task_names):
+        raise ReportError("--tasks and --task-names go together: the score CSVs and the tasks to tabulate")
+    paths = report(args.out, args.eval, training, losses, settings, args.tasks, args.task_names)
     table = next(path for key, path in paths.items() if key.endswith("_md") and key != "training_md")
     print(Path(table).read_text(encoding="utf-8"), file=sys.stderr)
     return 0

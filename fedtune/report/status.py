@@ -11,7 +11,6 @@ every `log_every` steps), the newest complete checkpoint (`checkpoints/step-*/tr
 
 from __future__ import annotations
 
-import argparse
 import csv
 import io
 import json
@@ -20,6 +19,8 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from fedtune.core import cli
+from fedtune.core.config import UserError
 from fedtune.train import checkpoint
 
 DEFAULT_CONFIG = "config/config.yaml"
@@ -199,28 +200,17 @@ def format_status(status: dict) -> str:
     return "\n".join(lines)
 
 
+@cli.entry("fedtune.report.status")
 def main(argv=None) -> int:
-    from fedtune.core.config import ConfigError
-
-    parser = argparse.ArgumentParser(
-        prog="python -m fedtune.report.status", description=__doc__.split("\n\n")[0]
-    )
+    parser = cli.parser("fedtune.report.status", __doc__.split("\n\n")[0])
     parser.add_argument(
         "--configfile", default=DEFAULT_CONFIG, help=f"the run's config (default {DEFAULT_CONFIG})"
     )
     parser.add_argument("--json", action="store_true", help="print the status as JSON")
     args = parser.parse_args(argv)
-    try:
-        layout = layout_from_config(args.configfile)
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    layout = layout_from_config(args.configfile)
     if not layout.run_dir.is_dir():
-        print(
-            f"error: {layout.run_dir}: no run folder yet (nothing has run for {args.configfile})",
-            file=sys.stderr,
-        )
-        return 2
+        raise UserError(f"{layout.run_dir}: no run folder yet (nothing has run for {args.configfile})")
     status = collect(layout)
     print(json.dumps(status, indent=2) if args.json else format_status(status))
     return 0

@@ -22,14 +22,13 @@ Exit codes: 0 done; 2 bad input (the message names the file).
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from fedtune.core import offline
+from fedtune.core import cli, offline
 from fedtune.core.atomic import write_bytes, write_text
 from fedtune.core.config import DEVICES_AXIS, UserError
 from fedtune.report.build import markdown
@@ -247,11 +246,10 @@ def write_report(out_dir: str | Path, folders: Sequence[str | Path], axis: str) 
     return paths
 
 
+@cli.entry("fedtune.report.sweep")
 def main(argv: Sequence[str] | None = None) -> int:
     offline.enforce()
-    parser = argparse.ArgumentParser(
-        prog="python -m fedtune.report.sweep", description=__doc__.split("\n\n")[0]
-    )
+    parser = cli.parser("fedtune.report.sweep", __doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     report = commands.add_parser("report", help="sweep.csv, sweep.md and sweep.png from the sweep's runs")
     report.add_argument("--out", required=True, type=Path, help="report folder")
@@ -260,11 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--run", nargs="+", action="extend", required=True, metavar="FOLDER", help="sweep job outputs"
     )
     args = parser.parse_args(argv)
-    try:
-        paths = write_report(args.out, args.run, args.axis)
-    except SweepError as e:
-        print(f"sweep: error: {e}", file=sys.stderr)
-        return 2
+    paths = write_report(args.out, args.run, args.axis)
     print(paths["md"].read_text(encoding="utf-8"), file=sys.stderr)
     return 0
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedtune.core import offline
+from fedtune.core import cli, offline
 from fedtune.core.atomic import atomic_dir, write_json
 from fedtune.core.checksums import sha256_file
 from fedtune.core.config import (
@@ -380,12 +380,9 @@ def write_manifest(shard_dirs: list[str | Path], out: str | Path) -> dict:
     return manifest
 
 
+@cli.entry("fedtune.tokenize.shards")
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m fedtune.tokenize",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = cli.parser("fedtune.tokenize.shards", __doc__)
     sub = parser.add_subparsers(dest="what", required=True)
     shard = sub.add_parser("shard", help="tokenize one shard of one split")
     shard.add_argument("--raw", required=True, help="the site's raw DatasetDict (download data)")
@@ -411,19 +408,15 @@ def main(argv=None) -> int:
     if getattr(args, "num_proc", None):
         # The Rust tokenizer sizes its thread pool from this at first use, which comes later.
         os.environ["RAYON_NUM_THREADS"] = str(args.num_proc)
-    try:
-        if args.what == "shard":
-            tokenize_shard(
-                args.raw, args.split, args.shard, args.num_shards, args.tokenizer, args.out,
-                template=args.template, text_field=args.text_field, block_size=args.block_size,
-                mode=args.mode, add_bos=args.add_bos, site=args.site, task=args.task,
-                label_field=args.label_field,
-            )  # fmt: skip
-        else:
-            write_manifest(args.shards, args.out)
-    except (UserError, OSError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    if args.what == "shard":
+        tokenize_shard(
+            args.raw, args.split, args.shard, args.num_shards, args.tokenizer, args.out,
+            template=args.template, text_field=args.text_field, block_size=args.block_size,
+            mode=args.mode, add_bos=args.add_bos, site=args.site, task=args.task,
+            label_field=args.label_field,
+        )  # fmt: skip
+    else:
+        write_manifest(args.shards, args.out)
     return 0
 
 

@@ -104,9 +104,3 @@ def stop() -> None:
 
 def barrier() -> None:
     dist.barrier()
-
-
-def all_sum(values: list[float], device: torch.device) -> list[float]:
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
-    return tensor.tolist()

@@ -33,9 +33,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fedtune.core import adapters, offline, tracking
+from fedtune.core import adapters, cli, offline, tracking
 from fedtune.core.atomic import atomic_dir, write_json, write_text
-from fedtune.core.config import CAUSAL_LM, CLASSIFICATION, ConfigError, TrainOptions, UserError
+from fedtune.core.config import CAUSAL_LM, CLASSIFICATION, ConfigError, TrainOptions
 from fedtune.core.models import load_model, load_tokenizer, save_model
 from fedtune.tokenize.blocks import BlockOrder, Blocks, manifest_shards, trained_tokens
 from fedtune.tokenize.shards import verify_shard
@@ -460,7 +460,7 @@ def export(run: Setup, progress: TrainingProgress, started: float) -> dict | Non
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m fedtune.train", description=__doc__.split("\n\n")[0])
+    parser = cli.parser("fedtune.train.loop", __doc__.split("\n\n")[0])
     parser.add_argument("--site", required=True, help="site name, recorded in training.json")
     parser.add_argument("--init", required=True, type=Path, help="model folder to start from (HF format)")
     parser.add_argument(
@@ -491,18 +491,15 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
+@cli.entry("fedtune.train.loop")
 def main(argv=None) -> int:
     offline.enforce()
     args = parse_args(argv)
-    try:
-        if not 1 <= args.round <= args.rounds:
-            raise ConfigError(f"--round: {args.round} is not in 1..{args.rounds} (--rounds)")
-        plan = RoundPlan(args.round, args.rounds, args.lr_schedule)
-        options = TrainOptions.from_json(args.options, source="--options")
-        code = train(TrainJob.from_args(args), options, plan)
-    except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return EXIT_USER_ERROR
+    if not 1 <= args.round <= args.rounds:
+        raise ConfigError(f"--round: {args.round} is not in 1..{args.rounds} (--rounds)")
+    plan = RoundPlan(args.round, args.rounds, args.lr_schedule)
+    options = TrainOptions.from_json(args.options, source="--options")
+    code = train(TrainJob.from_args(args), options, plan)
     if code == EXIT_RETRY:
         marker = os.environ.get(RETRY_MARKER_ENV)
         if marker:

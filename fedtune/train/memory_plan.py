@@ -35,8 +35,9 @@ fragmentation) is at most the GPU's memory."""
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
+
+from fedtune.core import cli
 
 GiB = 2**30
 # CUDA context (~0.5-1 GB), cuBLAS/NCCL workspaces and the caching allocator's fragmentation: a fixed
@@ -212,11 +213,6 @@ def flops_per_token(matmul_params: int, layers: int, hidden: int, seq: int) -> f
     return 6 * matmul_params + 12 * layers * seq * hidden
 
 
-def llama_flops_per_token(shape: Shape, seq: int) -> float:
-    matmul = shape.params - (0 if shape.tied else shape.vocab * shape.hidden)
-    return flops_per_token(matmul, shape.layers, shape.hidden, seq)
-
-
 def epoch_hours(tokens: float, flops: float, gpus: int, peak_tflops: float, mfu: float) -> float:
     """Hours to train on `tokens` (padding included: it is computed on) at `mfu` of `gpus` peaks."""
     return tokens * flops / (gpus * peak_tflops * 1e12 * mfu) / 3600
@@ -384,8 +380,9 @@ def example_table() -> str:
     return "\n".join(lines)
 
 
+@cli.entry("fedtune.train.memory_plan")
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description="Memory per GPU of each sharding mode (docs/scaling.md)")
+    parser = cli.parser("fedtune.train.memory_plan", "Memory per GPU of each sharding mode (docs/scaling.md)")
     parser.add_argument("--model", choices=sorted(LLAMA2), action="append")
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=2048)

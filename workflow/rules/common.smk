@@ -238,11 +238,11 @@ def tracking_args():
     """`--tracking JSON --run-name NAME` for a stage CLI (dir resolved: tracking.dir or <run>/tracking), or
     nothing when tracking is off. Params use it through a function: the JSON's braces are no wildcards.
     """
-    options = config["tracking"]
+    options = RUN.tracking
     if options["backend"] == "none":
         return ""
     resolved = dict(options, dir=options["dir"] or run_path("tracking"))
-    return f"--tracking {shlex.quote(to_json(resolved))} --run-name {shlex.quote(config['run'])}"
+    return f"--tracking {shlex.quote(to_json(resolved))} --run-name {shlex.quote(RUN.run)}"
 
 
 # Aggregate jobs.

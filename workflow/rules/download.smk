@@ -23,10 +23,10 @@ rule download_data:
     container:
         CONTAINER
     params:
-        spec=lambda wc: to_json(config["sites"][wc.site]["dataset"]),
+        spec=lambda wc: to_json(RUN.sites[wc.site].dataset),
         # A classifier's labels are checked here, before any expensive stage reads them.
         labels=(
-            f"--num-labels {config['model']['num_labels']}" if CLASSIFICATION else ""
+            f"--num-labels {RUN.model['num_labels']}" if CLASSIFICATION else ""
         ),
     shell:
         "python -m fedtune.download data --spec {params.spec:q} {params.labels}"
@@ -38,7 +38,7 @@ rule download_model:
         # A model built from scratch gets a tokenizer trained on every site's training text.
         corpora=lambda wc: (
             [raw_data_dir(site) for site in SITES]
-            if config["model"]["source"] == "init"
+            if RUN.model["source"] == "init"
             else []
         ),
     output:
@@ -52,7 +52,7 @@ rule download_model:
         CONTAINER
     params:
         # Functions, not strings: the templates' {text} must not be read as a wildcard.
-        spec=lambda wc: to_json(config["model"]),
+        spec=lambda wc: to_json(RUN.model),
         corpora=lambda wc: to_json(tokenizer_corpora()),
         task=TASK,
     shell:

@@ -57,7 +57,7 @@ rule report_settings:
         CONTAINER
     params:
         # The config as validated, defaults included. A function: the templates' {text} is no wildcard.
-        settings=lambda wc: to_json(config),
+        settings=lambda wc: to_json(RUN.raw),
     shell:
         "printf '%s\\n' {params.settings:q} > {output:q} 2> {log:q}"
 

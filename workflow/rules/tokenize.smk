@@ -18,13 +18,13 @@ rule tokenize:
         mem_mb=4000,
         runtime=60,
     params:
-        shards=config["tokenize"]["shards"],
-        block_size=config["tokenize"]["block_size"],
-        mode=config["tokenize"]["mode"],
-        bos="--add-bos" if config["tokenize"]["add_bos"] else "--no-add-bos",
-        template=lambda wc: config["sites"][wc.site]["prompt_template"],
-        text_field=lambda wc: config["sites"][wc.site]["dataset"]["text_field"],
-        label_field=lambda wc: config["sites"][wc.site]["dataset"]["label_field"],
+        shards=RUN.tokenize["shards"],
+        block_size=RUN.tokenize["block_size"],
+        mode=RUN.tokenize["mode"],
+        bos="--add-bos" if RUN.tokenize["add_bos"] else "--no-add-bos",
+        template=lambda wc: RUN.sites[wc.site].prompt_template,
+        text_field=lambda wc: RUN.sites[wc.site].dataset["text_field"],
+        label_field=lambda wc: RUN.sites[wc.site].dataset["label_field"],
         task=TASK,
     shell:
         "python -m fedtune.tokenize shard --raw {input.raw:q} --split {wildcards.split}"
