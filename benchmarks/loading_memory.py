@@ -90,7 +90,7 @@ def _train_processes(launcher_pid: int) -> list[int]:
             continue
         # The workers run `python -m fedtune.train`; torchrun's own command line names its module.
         launcher = any("torchrun" in c or "distributed.run" in c for c in cmdline)
-        if "fedtune.train.loop" in cmdline and "python" in Path(cmdline[0]).name and not launcher:
+        if "fedtune.train" in cmdline and "python" in Path(cmdline[0]).name and not launcher:
             found.append(child.pid)
     return found
 

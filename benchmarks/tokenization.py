@@ -38,6 +38,7 @@ def main() -> None:
 
     from datasets import Dataset, DatasetDict, disable_caching
 
+    from fedtune.core.config import TokenizeOptions
     from fedtune.core.models import train_tokenizer
     from fedtune.download.demo_data import bulletin, recipe
     from fedtune.tokenize.shards import tokenize_shard
@@ -59,8 +60,8 @@ def main() -> None:
     results = {"megabytes": round(size / 1e6, 1), "documents": len(texts), "threads": args.threads}
 
     start = time.perf_counter()
-    counts = tokenize_shard(raw, "train", 0, 1, model_dir, work / "shard", template=template,
-                            block_size=args.block_size, mode="packing")  # fmt: skip
+    options = TokenizeOptions.from_mapping({"shards": 1, "template": template, "block_size": args.block_size})
+    counts = tokenize_shard(raw, "train", 0, model_dir, work / "shard", options)
     seconds = time.perf_counter() - start
     results["fedtune"] = {"seconds": round(seconds, 2), "tokens": counts["tokens"],
                           "tokens_per_s": round(counts["tokens"] / seconds)}  # fmt: skip

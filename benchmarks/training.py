@@ -114,6 +114,7 @@ def prepare(args, tmp: Path) -> tuple[Path, Path, dict]:
 
     from datasets import Dataset, DatasetDict
 
+    from fedtune.core.config import TokenizeOptions
     from fedtune.core.models import build_model, save_model, train_tokenizer
     from fedtune.download.demo_data import bulletin, recipe
     from fedtune.tokenize.shards import tokenize_shard, write_manifest
@@ -138,7 +139,8 @@ def prepare(args, tmp: Path) -> tuple[Path, Path, dict]:
     shards = []
     for k in range(2):
         shard = tmp / "data" / SITE / "train" / f"shard-{k}"
-        tokenize_shard(raw, "train", k, 2, model_dir, shard, block_size=args.block_size, site=SITE)
+        options = TokenizeOptions.from_mapping({"shards": 2, "block_size": args.block_size})
+        tokenize_shard(raw, "train", k, model_dir, shard, options, site=SITE)
         shards.append(shard)
     manifest_path = tmp / "data" / SITE / "manifest.json"
     manifest = write_manifest(shards, manifest_path)

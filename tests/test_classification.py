@@ -27,6 +27,13 @@ NUM_LABELS = 3
 # -- metrics --------------------------------------------------------------------------------------------
 
 
+def shard_options(**values):
+    """One shard of a classifier's data: the tokenize options of the workflow's classification runs."""
+    from fedtune.core.config import TokenizeOptions
+
+    return TokenizeOptions.from_mapping({"shards": 1, "task": CLASSIFICATION, **values})
+
+
 def test_metrics_match_a_hand_computation():
     labels = [0, 0, 1, 1, 2, 2]
     predictions = [0, 1, 1, 1, 0, 3]  # class 3 is predicted but never the label
@@ -196,10 +203,8 @@ def test_classification_shards_hold_one_labelled_row_per_document(classifier_dir
     texts = corpus(10)
     labels = [i % NUM_LABELS for i in range(10)]
     DatasetDict({"train": Dataset.from_dict({"text": texts, "y": labels})}).save_to_disk(tmp_path / "raw")
-    counts = tokenize_shard(
-        tmp_path / "raw", "train", 0, 1, classifier_dir, tmp_path / "shard",
-        block_size=16, task=CLASSIFICATION, label_field="y", template="Review: {text}",
-    )  # fmt: skip
+    options = shard_options(block_size=16, label_field="y", template="Review: {text}")
+    counts = tokenize_shard(tmp_path / "raw", "train", 0, classifier_dir, tmp_path / "shard", options)
     verify_shard(tmp_path / "shard")
     assert counts["task"] == CLASSIFICATION and counts["blocks"] == counts["documents"] == 10
     assert counts["label_counts"] == {"0": 4, "1": 3, "2": 3}
@@ -223,9 +228,9 @@ def test_tokenize_refuses_labels_outside_the_models_classes(classifier_dir, tmp_
         tmp_path / "raw"
     )
     with pytest.raises(
-        TokenizeError, match=r"--label-field: .* row 1 has label 5, outside 0..2 \(the model has 3 classes\)"
+        TokenizeError, match=r"--options: label_field: .* row 1 has label 5, outside 0..2 \(the model has 3 classes\)"
     ):
-        tokenize_shard(tmp_path / "raw", "train", 0, 1, classifier_dir, tmp_path / "s", task=CLASSIFICATION)
+        tokenize_shard(tmp_path / "raw", "train", 0, classifier_dir, tmp_path / "s", shard_options())
     assert not (tmp_path / "s").exists()
 
 
@@ -234,7 +239,7 @@ def test_tokenize_refuses_a_base_model_that_is_no_classifier(tiny_model_dir, tmp
 
     DatasetDict({"train": Dataset.from_dict({"text": ["a"], "label": [0]})}).save_to_disk(tmp_path / "raw")
     with pytest.raises(TokenizeError, match="is not a sequence classifier"):
-        tokenize_shard(tmp_path / "raw", "train", 0, 1, tiny_model_dir, tmp_path / "s", task=CLASSIFICATION)
+        tokenize_shard(tmp_path / "raw", "train", 0, tiny_model_dir, tmp_path / "s", shard_options())
 
 
 # -- evaluate -------------------------------------------------------------------------------------------
@@ -431,5 +436,5 @@ def test_two_classes_the_default_transformers_leaves_out_of_config_json(tmp_path
     }
     download_model(spec, tmp_path / "model", [{"path": str(raw)}], task=CLASSIFICATION)
     assert "id2label" not in json.loads((tmp_path / "model" / "config.json").read_text())
-    counts = tokenize_shard(raw, "train", 0, 1, tmp_path / "model", tmp_path / "shard", task=CLASSIFICATION)
+    counts = tokenize_shard(raw, "train", 0, tmp_path / "model", tmp_path / "shard", shard_options())
     assert counts["num_labels"] == 2 and counts["label_counts"] == {"0": 10, "1": 10}

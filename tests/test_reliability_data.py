@@ -52,7 +52,7 @@ def test_full_disk_during_tokenize_fails_cleanly(tiny_model_dir, tmp_path):
 
     result = subprocess.run(
         [sys.executable, "-m", "fedtune.tokenize", "shard", "--raw", str(raw), "--split", "train",
-         "--shard", "0", "--num-shards", "1", "--tokenizer", str(tiny_model_dir), "--block-size", "32",
+         "--shard", "0", "--tokenizer", str(tiny_model_dir), "--options", '{"shards": 1, "block_size": 32}',
          "--out", str(out)],
         preexec_fn=small_disk, capture_output=True, text=True, cwd=ROOT, timeout=300,
     )  # fmt: skip

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from datasets import Dataset, DatasetDict, load_from_disk
 
+from fedtune.core.config import TokenizeOptions
 from fedtune.core.models import load_tokenizer
 from fedtune.tokenize.shards import TokenizeError, main, tokenize_shard, verify_shard, write_manifest
 
@@ -48,10 +49,13 @@ def by_hand(texts, tokenizer, template=TEMPLATE):
 def shard(raw_path, tiny_model_dir, out, **kwargs):
     options = dict(template=TEMPLATE, block_size=32, mode="packing")
     options.update(kwargs)
-    num = options.pop("num_shards", 1)
+    options["shards"] = options.pop("num_shards", 1)
     index = options.pop("index", 0)
     split = options.pop("split", "train")
-    counts = tokenize_shard(raw_path, split, index, num, tiny_model_dir, out, **options)
+    site = options.pop("site", None)
+    counts = tokenize_shard(
+        raw_path, split, index, tiny_model_dir, out, TokenizeOptions.from_mapping(options), site=site
+    )
     return counts, load_from_disk(str(out))
 
 
@@ -158,17 +162,23 @@ def run_cli(capsys, *args):
 
 
 def test_cli_errors_name_the_option_and_write_nothing(raw, tiny_model_dir, tmp_path, capsys):
-    base = ["shard", "--raw", raw[0], "--split", "train", "--shard", 0, "--num-shards", 1,
+    base = ["shard", "--raw", raw[0], "--split", "train", "--shard", 0,
             "--tokenizer", tiny_model_dir, "--out", tmp_path / "out"]  # fmt: skip
-    code, err = run_cli(capsys, *base, "--block-size", 1024)
-    assert code == 2 and "--block-size: 1024 exceeds the model's maximum positions (256)" in err
-    assert "config.json" in err
-    code, err = run_cli(capsys, *base, "--text-field", "body")
-    assert code == 2 and "--text-field: 'body' is not a column" in err
-    code, err = run_cli(capsys, *base[:4], "validation", *base[5:])
+
+    def options(**values):
+        return ["--options", json.dumps({"shards": 1, **values})]
+
+    code, err = run_cli(capsys, *base, *options(block_size=1024))
+    assert code == 2 and "--options: block_size: 1024 exceeds the model's maximum positions (256)" in err
+    assert err.startswith("fedtune.tokenize: error:") and "config.json" in err
+    code, err = run_cli(capsys, *base, *options(text_field="body"))
+    assert code == 2 and "--options: text_field: 'body' is not a column" in err
+    code, err = run_cli(capsys, *base[:4], "validation", *base[5:], *options())
     assert code == 2 and "has no split 'validation'" in err
-    code, err = run_cli(capsys, *base, "--template", "no placeholder")
-    assert code == 2 and "does not contain {text}" in err
+    code, err = run_cli(capsys, *base, *options(template="no placeholder"))
+    assert code == 2 and "--options: template" in err and "does not contain {text}" in err
+    code, err = run_cli(capsys, *base, *options(shards=0))
+    assert code == 2 and "--options: shards: 0 is less than the minimum of 1" in err
     assert not (tmp_path / "out").exists()
 
 
@@ -192,7 +202,7 @@ def test_the_stage_never_opens_a_connection(raw, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.endswith("_OFFLINE")}
     result = subprocess.run(
         [sys.executable, "-c", GUARD, "shard", "--raw", str(raw[0]), "--split", "train", "--shard", "0",
-         "--num-shards", "1", "--tokenizer", "someone/some-model", "--out", str(tmp_path / "out")],
+         "--options", '{"shards": 1}', "--tokenizer", "someone/some-model", "--out", str(tmp_path / "out")],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 2, result.stderr

@@ -87,7 +87,7 @@ def train_args(model_dir: Path, manifest: Path, run_dir: Path, options: dict, ex
     return [
         PYTHON,
         "-m",
-        "fedtune.train.loop",
+        "fedtune.train",
         "--site",
         "site",
         "--init",

@@ -7,6 +7,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import DistilBertConfig, DistilBertForMaskedLM, PreTrainedTokenizerFast
 
+from fedtune.core.config import TokenizeOptions
 from fedtune.download.demo_data import write_reviews
 from fedtune.download.fetch import download_data, download_model
 from fedtune.tokenize.shards import tokenize_shard, write_manifest
@@ -53,6 +54,7 @@ download_model(
     {"source": "hf", "name": str(body), "num_labels": 3}, w / "model", task="sequence-classification"
 )
 shard = w / "data/train/shard-0"
-tokenize_shard(w / "raw", "train", 0, 1, w / "model", shard, block_size=32, task="sequence-classification")
+options = TokenizeOptions.from_mapping({"shards": 1, "block_size": 32, "task": "sequence-classification"})
+tokenize_shard(w / "raw", "train", 0, w / "model", shard, options)
 write_manifest([shard], w / "data/manifest.json")
 print("prepared", w)

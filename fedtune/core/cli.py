@@ -1,11 +1,12 @@
 """What every stage's command line shares: the parser, the common options (--options, --out) and how
 errors end a command. A `UserError` (a config key, an option, a file the user can fix) ends it with one
-line, `<command>: error: <message>`, and exit code 2; any other exception is a bug and shows its
-traceback. Tokens are redacted from the message (fedtune.core.secrets)."""
+line, `<command>: error: <message>`, and exit code 2, as does a full disk or quota; any other exception
+is a bug and shows its traceback. Tokens are redacted from the message (fedtune.core.secrets)."""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import functools
 import json
 import sys
@@ -15,6 +16,7 @@ from fedtune.core.config import UserError, parse_json
 from fedtune.core.secrets import redact
 
 EXIT_USER_ERROR = 2
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def parser(module: str, doc: str | None, **kwargs) -> argparse.ArgumentParser:
@@ -65,6 +67,12 @@ def entry(module: str) -> Callable:
                 return main(argv) or 0
             except UserError as error:
                 print(f"{name}: error: {redact(str(error))}", file=sys.stderr)
+                return EXIT_USER_ERROR
+            except OSError as error:
+                # A full disk or quota is the user's to fix (the atomic writes left nothing half-written).
+                if error.errno not in DISK_FULL:
+                    raise
+                print(f"{name}: error: {error} (free space, or a larger quota)", file=sys.stderr)
                 return EXIT_USER_ERROR
 
         return run

@@ -455,6 +455,52 @@ class EvaluateOptions(_Options):
         return json.dumps(values, separators=(",", ":"))
 
 
+@dataclass(frozen=True)
+class TokenizeOptions(_Options):
+    """How one site's text becomes blocks: the tokenize section (config.schema.yaml#/$defs/tokenize), with
+    the site's prompt template and columns and the run's task (`python -m fedtune.tokenize shard`)."""
+
+    SCHEMA = "config.schema.yaml#/$defs/tokenize"
+    SITE_KEYS = ("task", "template", "text_field", "label_field")
+
+    block_size: int
+    mode: str
+    shards: int
+    add_bos: bool
+    task: str = CAUSAL_LM
+    template: str = "{text}"
+    text_field: str = "text"
+    label_field: str = "label"
+
+    @classmethod
+    def from_mapping(cls, data: Mapping, *, source: str = "--options", prefix: str = "") -> TokenizeOptions:
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{source}: {prefix or 'options'}: expected a mapping, got {data!r}")
+        section = {k: v for k, v in data.items() if k not in cls.SITE_KEYS}
+        site = {k: v for k, v in data.items() if k in cls.SITE_KEYS}
+        options = cls(**cls._validated(section, source, prefix), **site)
+        options.check(f"{source}: {prefix + '.' if prefix else ''}")
+        return options
+
+    def check(self, where: str) -> None:
+        if self.task not in TASKS:
+            raise ConfigError(f"{where}task: {self.task!r} is not one of {', '.join(TASKS)}")
+        for key in ("text_field", "label_field"):
+            if not isinstance(getattr(self, key), str) or not getattr(self, key):
+                raise ConfigError(f"{where}{key}: {getattr(self, key)!r} is not a column name")
+        check_template(self.template, f"{where}template")
+
+    def for_site(self, site: Mapping) -> TokenizeOptions:
+        """These options with a site's template and columns (a `sites.<name>` section)."""
+        dataset = site["dataset"]
+        return dataclasses.replace(
+            self,
+            template=site["prompt_template"],
+            text_field=dataset["text_field"],
+            label_field=dataset["label_field"],
+        )
+
+
 # ---------------------------------------------------------------------------------------------------
 # Downstream tasks (evaluate.tasks): which entry is a task YAML and which a name of lm-eval's registry.
 # Resolved here, without lm-eval, so that a missing file fails when Snakemake starts; fedtune.evaluate.downstream
@@ -591,6 +637,7 @@ class Site:
     dataset: dict
     prompt_template: str
     train: TrainOptions
+    tokenize: TokenizeOptions
 
 
 @dataclass(frozen=True)
@@ -605,7 +652,7 @@ class RunConfig:
     task: str
     model: dict
     sites: dict[str, Site]
-    tokenize: dict
+    tokenize: TokenizeOptions
     aggregate: dict
     evaluate: EvaluateOptions
     downstream: tuple[DownstreamTask, ...]
@@ -758,6 +805,9 @@ def build_run_config(config: dict, *, source: str = "config", base_dir: Path | N
         path = base_dir / model["path"]
         if not (path / "config.json").is_file():
             raise ConfigError(f"{source}: model.path: {path} holds no config.json (a save_pretrained folder)")
+    tokenize = TokenizeOptions.from_mapping(
+        {**config["tokenize"], "task": config["task"]}, source=source, prefix="tokenize"
+    )
     sites = {}
     for name, site in config["sites"].items():
         check_template(site["prompt_template"], f"{source}: sites.{name}.prompt_template")
@@ -775,11 +825,12 @@ def build_run_config(config: dict, *, source: str = "config", base_dir: Path | N
             dataset=dataset,
             prompt_template=site["prompt_template"],
             train=site_train_options(config, name, source=source),
+            tokenize=tokenize.for_site(site),
         )
     if isinstance(config["aggregate"]["weights"], dict):
         check_weights(config["aggregate"]["weights"], list(sites), f"{source}: aggregate.weights")
     check_fits(
-        config["tokenize"]["block_size"],
+        tokenize.block_size,
         model["architecture"],
         f"{source}: tokenize.block_size",
         "model.architecture",
@@ -821,7 +872,7 @@ def build_run_config(config: dict, *, source: str = "config", base_dir: Path | N
         task=config["task"],
         model=model,
         sites=sites,
-        tokenize=config["tokenize"],
+        tokenize=tokenize,
         aggregate=config["aggregate"],
         evaluate=evaluate,
         downstream=downstream_tasks(evaluate, config["task"], base_dir=base_dir, source=source),

@@ -69,7 +69,7 @@ def fetch(source: str, out: str | Path, *, hint: str = "", rsync: str = "rsync")
 def main(argv=None) -> int:
     parser = cli.parser("fedtune.core.transfer", __doc__)
     parser.add_argument("--source", required=True, help="rsync source: a folder or a .json file")
-    parser.add_argument("--out", required=True)
+    cli.add_out(parser, "the output")
     parser.add_argument("--hint", default="", help="what to run where when the source is missing")
     args = parser.parse_args(argv)
     fetch(args.source, args.out, hint=args.hint)

@@ -249,7 +249,7 @@ def main(argv=None) -> int:
     data = sub.add_parser("data", help="a site's train and test splits, saved with save_to_disk")
     data.add_argument("--spec", required=True, help="the site's dataset section as JSON")
     data.add_argument("--num-labels", type=int, default=None, help="classification: check the labels")
-    data.add_argument("--out", required=True)
+    cli.add_out(data, "the output")
     model = sub.add_parser("model", help="the base model and tokenizer, saved with save_pretrained")
     model.add_argument("--spec", required=True, help="the model section as JSON")
     model.add_argument(
@@ -258,7 +258,7 @@ def main(argv=None) -> int:
         help="JSON list of {path, text_field, template}: raw datasets to train a tokenizer on",
     )
     model.add_argument("--task", default=CAUSAL_LM, choices=TASKS)
-    model.add_argument("--out", required=True)
+    cli.add_out(model, "the output")
     tasks = sub.add_parser("tasks", help="downstream tasks' definitions and data sets (evaluate.tasks)")
     tasks.add_argument(
         "--tasks",
@@ -266,7 +266,7 @@ def main(argv=None) -> int:
         required=True,
         help="task YAMLs, tasks shipped in workflow/tasks or lm-eval registry names",
     )
-    tasks.add_argument("--out", required=True)
+    cli.add_out(tasks, "the output")
     args = parser.parse_args(argv)
     from fedtune.core import progress
 

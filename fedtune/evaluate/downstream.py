@@ -365,7 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     parser.add_argument("--label", default=None, help="name of the model: base, a site, aggregate")
     parser.add_argument("--round", type=int, default=None, help="federation round of the model (base: 0)")
-    parser.add_argument("--out", required=True, help="result file: .csv or .json")
+    cli.add_out(parser, "result file: .csv or .json")
     args = parser.parse_args(argv)
     check_downstream_installed("fedtune.evaluate.downstream")
     include_path = list(args.include_path)

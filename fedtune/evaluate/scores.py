@@ -455,7 +455,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--label", default=None, help="name of the model in the report: base, a site, aggregate"
     )
     parser.add_argument("--round", type=int, default=None, help="federation round of the model (base: 0)")
-    parser.add_argument("--out", required=True, help="result JSON")
+    cli.add_out(parser, "result JSON")
     parser.add_argument(
         "--tracking",
         default=None,

@@ -619,7 +619,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "fedtune.report.build",
         "Tables and figures of a run: perplexity per model and site, training summary, loss.",
     )
-    parser.add_argument("--out", required=True, help="report folder")
+    cli.add_out(parser, "report folder")
     parser.add_argument(
         "--eval", nargs="+", action="extend", required=True, metavar="JSON", help="evaluate results"
     )

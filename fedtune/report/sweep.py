@@ -252,7 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = cli.parser("fedtune.report.sweep", __doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     report = commands.add_parser("report", help="sweep.csv, sweep.md and sweep.png from the sweep's runs")
-    report.add_argument("--out", required=True, type=Path, help="report folder")
+    cli.add_out(report, "report folder", type=Path)
     report.add_argument("--axis", required=True, help="the sweep axis: devices or a train key")
     report.add_argument(
         "--run", nargs="+", action="extend", required=True, metavar="FOLDER", help="sweep job outputs"

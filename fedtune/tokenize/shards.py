@@ -16,7 +16,6 @@ and right-padded to --block-size, its length, and its class from --label-field a
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -30,10 +29,9 @@ from fedtune.core.checksums import sha256_file
 from fedtune.core.config import (
     CAUSAL_LM,
     CLASSIFICATION,
-    TASKS,
+    TokenizeOptions,
     UserError,
     check_fits,
-    check_template,
     label_problem,
 )
 
@@ -181,35 +179,28 @@ def tokenize_shard(
     raw: str | Path,
     split: str,
     shard: int,
-    num_shards: int,
     tokenizer_dir: str | Path,
     out: str | Path,
+    options: TokenizeOptions,
     *,
-    template: str = "{text}",
-    text_field: str = "text",
-    block_size: int = 128,
-    mode: str = "packing",
-    add_bos: bool = True,
     site: str | None = None,
-    task: str = CAUSAL_LM,
-    label_field: str = "label",
 ) -> dict:
     from datasets import load_from_disk
 
     from fedtune.core.models import load_tokenizer
     from fedtune.core.progress import Progress
 
-    if mode not in MODES:
-        raise TokenizeError(f"--mode: {mode!r} is not one of {MODES}")
-    if task not in TASKS:
-        raise TokenizeError(f"--task: {task!r} is not one of {TASKS}")
-    classify = task == CLASSIFICATION
+    num_shards, template, text_field = options.shards, options.template, options.text_field
+    block_size, mode = options.block_size, options.mode
     if not 0 <= shard < num_shards:
-        raise TokenizeError(f"--shard: {shard} is not in 0..{num_shards - 1}")
-    check_template(template, "--template")
+        raise TokenizeError(
+            f"--shard: {shard} is not in 0..{num_shards - 1} (--options: shards {num_shards})"
+        )
     model_config = Path(tokenizer_dir) / "config.json"
     if model_config.is_file():
-        check_fits(block_size, json.loads(model_config.read_text()), "--block-size", str(model_config))
+        check_fits(
+            block_size, json.loads(model_config.read_text()), "--options: block_size", str(model_config)
+        )
     try:
         splits = load_from_disk(str(raw))
     except FileNotFoundError as error:
@@ -218,20 +209,18 @@ def tokenize_shard(
         raise TokenizeError(f"--split: {raw} has no split {split!r}; it has {sorted(splits)}")
     data = splits[split]
     if text_field not in data.column_names:
-        raise TokenizeError(f"--text-field: {text_field!r} is not a column of {raw} ({data.column_names})")
-    if classify:
-        return _tokenize_classification_shard(
-            data, raw, split, shard, num_shards, tokenizer_dir, out,
-            template=template, text_field=text_field, label_field=label_field, block_size=block_size,
-            site=site,
-        )  # fmt: skip
+        raise TokenizeError(
+            f"--options: text_field: {text_field!r} is not a column of {raw} ({data.column_names})"
+        )
+    if options.task == CLASSIFICATION:
+        return _tokenize_classification_shard(data, raw, split, shard, tokenizer_dir, out, options, site=site)
     tokenizer = load_tokenizer(tokenizer_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     part = data.shard(num_shards=num_shards, index=shard, contiguous=True).select_columns([text_field])
     texts = (text for batch in part.iter(batch_size=4096) for text in batch[text_field])
     with Progress(len(part), desc=f"tokenize {split} shard {shard}", unit="doc") as bar:
-        flat, lengths, n_bytes = encode_documents(texts, tokenizer, template, add_bos, progress=bar)
+        flat, lengths, n_bytes = encode_documents(texts, tokenizer, template, options.add_bos, progress=bar)
     if mode == "packing":
         blocks, labels = pack(flat, block_size)
         kept = int(blocks.size)
@@ -241,7 +230,7 @@ def tokenize_shard(
 
     counts = {
         "site": site,
-        "task": task,
+        "task": options.task,
         "split": split,
         "shard": shard,
         "num_shards": num_shards,
@@ -266,13 +255,14 @@ def _save_shard(out, dataset, counts: dict) -> dict:
     return counts
 
 
-def _tokenize_classification_shard(
-    data, raw, split, shard, num_shards, tokenizer_dir, out, *, template, text_field, label_field, block_size,
-    site,
-) -> dict:  # fmt: skip
+def _tokenize_classification_shard(data, raw, split, shard, tokenizer_dir, out, options, *, site) -> dict:
     from fedtune.core.models import load_tokenizer
     from fedtune.core.progress import Progress
 
+    num_shards, template, text_field, label_field = (
+        options.shards, options.template, options.text_field, options.label_field
+    )  # fmt: skip
+    block_size = options.block_size
     num_labels = model_num_labels(Path(tokenizer_dir))
     if num_labels is None:
         raise TokenizeError(
@@ -280,12 +270,14 @@ def _tokenize_classification_shard(
             f"the download stage makes one for task {CLASSIFICATION}"
         )
     if label_field not in data.column_names:
-        raise TokenizeError(f"--label-field: {label_field!r} is not a column of {raw} ({data.column_names})")
+        raise TokenizeError(
+            f"--options: label_field: {label_field!r} is not a column of {raw} ({data.column_names})"
+        )
     part = data.shard(num_shards=num_shards, index=shard, contiguous=True)
     labels = np.asarray(part.with_format("numpy")[label_field]) if len(part) else np.zeros(0, np.int64)
     problem = label_problem(labels, num_labels)
     if problem:
-        raise TokenizeError(f"--label-field: {raw} ({split}) column {label_field!r}: {problem}")
+        raise TokenizeError(f"--options: label_field: {raw} ({split}) column {label_field!r}: {problem}")
     tokenizer = load_tokenizer(tokenizer_dir)
     texts = (
         t for batch in part.select_columns([text_field]).iter(batch_size=4096) for t in batch[text_field]
@@ -388,20 +380,13 @@ def main(argv=None) -> int:
     shard.add_argument("--raw", required=True, help="the site's raw DatasetDict (download data)")
     shard.add_argument("--split", required=True)
     shard.add_argument("--shard", type=int, required=True)
-    shard.add_argument("--num-shards", type=int, required=True)
     shard.add_argument("--tokenizer", required=True, help="folder with the tokenizer (the base model)")
-    shard.add_argument("--template", default="{text}")
-    shard.add_argument("--text-field", default="text")
-    shard.add_argument("--block-size", type=int, default=128)
-    shard.add_argument("--mode", choices=MODES, default="packing")
-    shard.add_argument("--add-bos", action=argparse.BooleanOptionalAction, default=True)
+    cli.add_options(shard, "the tokenize section with the site's template and columns (TokenizeOptions)")
     shard.add_argument("--site", default=None, help="site name recorded in counts.json")
-    shard.add_argument("--task", choices=TASKS, default=CAUSAL_LM)
-    shard.add_argument("--label-field", default="label", help="class column (sequence-classification)")
     shard.add_argument("--num-proc", type=int, default=None, help="tokenizer threads (the job's cores)")
-    shard.add_argument("--out", required=True)
+    cli.add_out(shard, "the output")
     manifest = sub.add_parser("manifest", help="gather a site's shard counts")
-    manifest.add_argument("--out", required=True)
+    cli.add_out(manifest, "the output")
     manifest.add_argument("shards", nargs="+")
     args = parser.parse_args(argv)
     offline.enforce()
@@ -409,12 +394,8 @@ def main(argv=None) -> int:
         # The Rust tokenizer sizes its thread pool from this at first use, which comes later.
         os.environ["RAYON_NUM_THREADS"] = str(args.num_proc)
     if args.what == "shard":
-        tokenize_shard(
-            args.raw, args.split, args.shard, args.num_shards, args.tokenizer, args.out,
-            template=args.template, text_field=args.text_field, block_size=args.block_size,
-            mode=args.mode, add_bos=args.add_bos, site=args.site, task=args.task,
-            label_field=args.label_field,
-        )  # fmt: skip
+        options = TokenizeOptions.from_json(args.options)
+        tokenize_shard(args.raw, args.split, args.shard, args.tokenizer, args.out, options, site=args.site)
     else:
         write_manifest(args.shards, args.out)
     return 0

@@ -470,7 +470,7 @@ def parse_args(argv=None):
     parser.add_argument("--options", required=True, help="train options as JSON (train.schema.yaml)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--checkpoints", required=True, type=Path, help="folder of resumable checkpoints")
-    parser.add_argument("--out", required=True, type=Path, help="exported model folder")
+    cli.add_out(parser, "exported model folder", type=Path)
     parser.add_argument("--allow-pickle", action="store_true", help="accept .bin weights in --init")
     parser.add_argument("--round", type=int, default=1, help="federation round of this job (1-based)")
     parser.add_argument("--rounds", type=int, default=1, help="rounds of the federation")

@@ -108,7 +108,7 @@ def tokenizer_corpora():
 
 
 def shard_dirs(site, split):
-    shards = RUN.tokenize["shards"]
+    shards = RUN.tokenize.shards
     return [run_path("data", site, split, f"shard-{k}") for k in range(shards)]
 
 
@@ -242,7 +242,9 @@ def tracking_args():
     if options["backend"] == "none":
         return ""
     resolved = dict(options, dir=options["dir"] or run_path("tracking"))
-    return f"--tracking {shlex.quote(to_json(resolved))} --run-name {shlex.quote(RUN.run)}"
+    return (
+        f"--tracking {shlex.quote(to_json(resolved))} --run-name {shlex.quote(RUN.run)}"
+    )
 
 
 # Aggregate jobs.
@@ -414,5 +416,5 @@ def eval_task_args(site):
     label_field = RUN.sites[site].dataset["label_field"]
     return (
         f"--task {TASK} --label-field {shlex.quote(label_field)}"
-        f" --max-length {RUN.tokenize['block_size']}"
+        f" --max-length {RUN.tokenize.block_size}"
     )

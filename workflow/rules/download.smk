@@ -25,9 +25,7 @@ rule download_data:
     params:
         spec=lambda wc: to_json(RUN.sites[wc.site].dataset),
         # A classifier's labels are checked here, before any expensive stage reads them.
-        labels=(
-            f"--num-labels {RUN.model['num_labels']}" if CLASSIFICATION else ""
-        ),
+        labels=(f"--num-labels {RUN.model['num_labels']}" if CLASSIFICATION else ""),
     shell:
         "python -m fedtune.download data --spec {params.spec:q} {params.labels}"
         " --out {output:q} > {log:q} 2>&1"

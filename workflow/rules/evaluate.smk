@@ -15,7 +15,7 @@ EVAL_RESULTS = (
 )
 
 # The text is built as the tokenize stage builds it: same template, same BOS choice.
-EVAL_BOS = "--add-bos" if RUN.tokenize["add_bos"] else "--no-add-bos"
+EVAL_BOS = "--add-bos" if RUN.tokenize.add_bos else "--no-add-bos"
 
 
 EVAL_SHELL = (

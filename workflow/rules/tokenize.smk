@@ -18,21 +18,12 @@ rule tokenize:
         mem_mb=4000,
         runtime=60,
     params:
-        shards=RUN.tokenize["shards"],
-        block_size=RUN.tokenize["block_size"],
-        mode=RUN.tokenize["mode"],
-        bos="--add-bos" if RUN.tokenize["add_bos"] else "--no-add-bos",
-        template=lambda wc: RUN.sites[wc.site].prompt_template,
-        text_field=lambda wc: RUN.sites[wc.site].dataset["text_field"],
-        label_field=lambda wc: RUN.sites[wc.site].dataset["label_field"],
-        task=TASK,
+        # A function: the template's {text} must not be read as a wildcard.
+        options=lambda wc: RUN.sites[wc.site].tokenize.to_json(),
     shell:
         "python -m fedtune.tokenize shard --raw {input.raw:q} --split {wildcards.split}"
-        " --shard {wildcards.shard} --num-shards {params.shards} --tokenizer {input.tokenizer:q}"
-        " --template {params.template:q} --text-field {params.text_field:q} --site {wildcards.site}"
-        " --block-size {params.block_size} --mode {params.mode} {params.bos}"
-        " --task {params.task} --label-field {params.label_field:q}"
-        " --num-proc {threads} --out {output:q} > {log:q} 2>&1"
+        " --shard {wildcards.shard} --tokenizer {input.tokenizer:q} --site {wildcards.site}"
+        " --options {params.options:q} --num-proc {threads} --out {output:q} > {log:q} 2>&1"
 
 
 rule tokenize_manifest:
