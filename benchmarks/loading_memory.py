@@ -8,7 +8,7 @@ Each run is `scripts/launch --procs-per-node N -- python -m fedtune.train ...` a
 and sums their PSS (proportional set size: a page shared by k processes counts 1/k to each, so the sum is
 what the node holds; shared libraries are counted once) and their Pss_Anon (private and shared anonymous
 memory: tensors). The loading phase ends when rank 0 prints the "training ..." line, right before the
-first forward pass; the run is then stopped. `FEDTUNE_LOADING=per-rank` selects the old path.
+first forward pass; the run is then stopped. The old path (mode per-rank) comes back through benchmarks/old_paths.
 
 The interpreter, torch and the other libraries take the same memory whatever the model: the script runs a
 2-layer, hidden-64 model the same way and subtracts its peak, leaving what the model costs. Goal (issue
@@ -133,10 +133,10 @@ def measure(
     ]  # fmt: skip
     run_env = {
         **(env or os.environ),
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks" / "old_paths"), str(ROOT)]),
         "OMP_NUM_THREADS": "1",
         "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
-        "FEDTUNE_LOADING": mode,
+        "FEDTUNE_OLD_PATHS": "per-rank-loading" if mode == "per-rank" else "",
     }
     started = time.perf_counter()
     proc = subprocess.Popen(

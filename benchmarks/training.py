@@ -25,8 +25,8 @@ loss.csv (each step's duration is tokens_per_step / tokens_per_s), for the Train
 Prints one JSON object: per run tokens/s, wall time, final loss, and ratios to the Trainer (target of
 issue 7: fsdp with sharding none at least equal to the Trainer).
 
-`--checkpoint-blocking [--checkpoint-every 2]` instead runs fsdp full twice, with FEDTUNE_CHECKPOINT=sync
-and with the default asynchronous save, and reports the seconds the ranks stood still per checkpoint
+`--checkpoint-blocking [--checkpoint-every 2]` instead runs fsdp full twice, with a synchronous save
+(benchmarks/old_paths) and with the default asynchronous save, and reports the seconds the ranks stood still per checkpoint
 (fedtune.train.checkpoint logs them; target of issue 15: asynchronous at most 25% of synchronous)."""
 
 from __future__ import annotations
@@ -193,6 +193,16 @@ def cpu_seconds() -> float:
 
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
+
+
+def old_paths(names: str) -> dict:
+    """The environment that brings back replaced code paths (benchmarks/old_paths/sitecustomize.py)."""
+    if not names:
+        return {}
+    return {
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks" / "old_paths"), str(ROOT)]),
+        "FEDTUNE_OLD_PATHS": names,
+    }
 
 
 def launch(command: list[str], tmp: Path, log: Path, env: dict | None = None) -> float:
@@ -389,7 +399,9 @@ def run_checkpoint_blocking(args, model_dir: Path, manifest: Path, tmp: Path) ->
         ).to_dict()
         run_dir = tmp / "runs" / f"checkpoint-{mode}"
         command = train_command(args, options, model_dir, manifest, run_dir)
-        wall = launch(command, tmp, run_dir / "train.log", env={"FEDTUNE_CHECKPOINT": mode})
+        wall = launch(
+            command, tmp, run_dir / "train.log", env=old_paths("sync-checkpoint" if mode == "sync" else "")
+        )
         blocked = blocking_per_checkpoint((run_dir / "train.log").read_text())
         last = max(blocked)
         others = [blocked[s] for s in sorted(blocked) if s != last]

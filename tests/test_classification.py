@@ -228,7 +228,8 @@ def test_tokenize_refuses_labels_outside_the_models_classes(classifier_dir, tmp_
         tmp_path / "raw"
     )
     with pytest.raises(
-        TokenizeError, match=r"--options: label_field: .* row 1 has label 5, outside 0..2 \(the model has 3 classes\)"
+        TokenizeError,
+        match=r"--options: label_field: .* row 1 has label 5, outside 0..2 \(the model has 3 classes\)",
     ):
         tokenize_shard(tmp_path / "raw", "train", 0, classifier_dir, tmp_path / "s", shard_options())
     assert not (tmp_path / "s").exists()

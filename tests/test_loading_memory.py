@@ -51,7 +51,7 @@ def test_two_processes_load_at_most_1_3_copies(models):
 def test_both_paths_start_from_the_same_weights(tiny_model_dir, site_manifest, tmp_path, monkeypatch):
     options = {"backend": "fsdp", "sharding": "full", "max_steps": 2}
     run_training(tiny_model_dir, site_manifest, tmp_path / "once", options)
-    monkeypatch.setenv("FEDTUNE_LOADING", "per-rank")
+    monkeypatch.setenv("FEDTUNE_OLD_PATHS", "per-rank-loading")
     run_training(tiny_model_dir, site_manifest, tmp_path / "per-rank", options)
     assert losses(tmp_path / "once" / "model") == pytest.approx(
         losses(tmp_path / "per-rank" / "model"), abs=1e-6
@@ -64,7 +64,7 @@ def test_zero3_loads_partitioned_from_the_same_weights(tiny_model_dir, site_mani
     the start) and trains from the same weights as when every rank loads the whole model first."""
     options = {"backend": "deepspeed", "zero_stage": 3, "max_steps": 2}
     partitioned = run_training(tiny_model_dir, site_manifest, tmp_path / "zero-init", options)
-    monkeypatch.setenv("FEDTUNE_LOADING", "per-rank")
+    monkeypatch.setenv("FEDTUNE_OLD_PATHS", "per-rank-loading")
     whole = run_training(tiny_model_dir, site_manifest, tmp_path / "per-rank", options)
     held = re.search(r"partitioned while created \(deepspeed.zero.Init\), ([\d.]+) of it", partitioned.stdout)
     # Two ranks: half of every parameter each (rounded up to whole elements per parameter).

@@ -109,9 +109,11 @@ def env(path_first: Path | None = None, **extra) -> dict:
     path = [str(Path(PYTHON).parent), os.environ.get("PATH", "")]
     if path_first:
         path.insert(0, str(path_first))
+    # FEDTUNE_OLD_PATHS (set by a test) brings back a replaced code path: benchmarks/old_paths.
+    old = [str(ROOT / "benchmarks" / "old_paths")] if os.environ.get("FEDTUNE_OLD_PATHS") else []
     return {
         **os.environ,
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": os.pathsep.join([*old, str(ROOT)]),
         "OMP_NUM_THREADS": "1",
         "PATH": os.pathsep.join(path),
         **extra,

@@ -13,13 +13,12 @@ a temporary name, which the next save removes. The newest complete folder is whe
 FSDP's model and optimizer are written in the background (`dcp.async_save`): the ranks block only while
 the state is copied to host memory (staging), then train on while a thread writes it. At most one save
 is in flight: the next save, `wait()` (train's signal path) and the run's last checkpoint wait for it,
-and only then is the folder renamed to step-N. FEDTUNE_CHECKPOINT=sync writes synchronously (the
-benchmark's "before"). DeepSpeed's own save_checkpoint stays synchronous."""
+and only then is the folder renamed to step-N (benchmarks/training.py --checkpoint-blocking compares it
+with a synchronous save, through benchmarks/old_paths). DeepSpeed's own save_checkpoint stays synchronous."""
 
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import shutil
@@ -75,9 +74,6 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-CHECKPOINT_ENV = "FEDTUNE_CHECKPOINT"
-
-
 @dataclass
 class _InFlight:
     future: object  # concurrent.futures.Future of dcp.async_save
@@ -94,7 +90,7 @@ _async_group = None
 
 def _writes_async(backend) -> bool:
     # Backends whose state goes through torch.distributed.checkpoint (FSDP2, DDP) can write it behind.
-    return os.environ.get(CHECKPOINT_ENV) != "sync" and hasattr(backend, "save_async")
+    return hasattr(backend, "save_async")
 
 
 def _gloo_group():

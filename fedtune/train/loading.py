@@ -18,12 +18,11 @@ the weights are copied in one module at a time, gathered and filled from rank 0'
 
 Modes that keep a whole replica per rank anyway (sharding none, DeepSpeed ZeRO-0/1/2) and folders with
 only pickle weights take the per-rank path (`load_model` + `backends.build`), as do adapters (peft wraps
-the loaded model) and FEDTUNE_LOADING=
-per-rank (benchmarks/loading_memory.py measures both)."""
+the loaded model). benchmarks/loading_memory.py measures both paths (benchmarks/old_paths brings back
+the per-rank one for every mode)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -31,7 +30,6 @@ import torch
 from fedtune.core.config import TrainOptions
 from fedtune.core.safetensors_stream import ST_DTYPES, read_header
 
-LOADING_ENV = "FEDTUNE_LOADING"
 META_SHARDINGS = ("full", "hybrid", "hybrid_zero2")
 
 
@@ -39,8 +37,6 @@ def loads_once(options: TrainOptions, model_dir: Path, allow_pickle: bool) -> bo
     """Whether `load_backend` takes the meta-device path for these options and this folder."""
     from fedtune.core.models import weight_files
 
-    if os.environ.get(LOADING_ENV) == "per-rank":
-        return False
     if options.adapter:
         return False  # peft swaps the adapted layers of a loaded model; the meta path builds none
     if not weight_files(model_dir):
@@ -58,7 +54,6 @@ def zero_init(options: TrainOptions) -> bool:
         options.backend == "deepspeed"
         and options.zero_stage == 3
         and not options.adapter  # peft wraps a loaded model: the per-rank path (not tried under zero.Init)
-        and os.environ.get(LOADING_ENV) != "per-rank"
     )
 
 
