@@ -553,10 +553,7 @@ def aggregate_adapters(
         base = read_base(merge_into)
         plan = plan_merge(base, ref)
 
-    input_digests = [{name: sha256_file(a.path / name) for name in a.files} for a in loaded]
-    for a, digests in zip(loaded, input_digests, strict=True):
-        # Adapters written by fedtune's train carry fedtune-checksums.json; others (peft's own) pass.
-        verify_checksums(a.path, {ADAPTER_WEIGHTS: digests[ADAPTER_WEIGHTS]})
+    input_digests = [_verified_digests(a) for a in loaded]
     tensors = [_load(a) for a in loaded]
     n_weights = [weighting["normalised"][a.site] for a in loaded]
     factors, whole, rank, scale = aggregate_factors(loaded, tensors, n_weights, mode)
@@ -564,42 +561,33 @@ def aggregate_adapters(
     out_dir = Path(out_dir)
     merged_dir = Path(merged_out) if merged_out is not None else out_dir / "merged"
     with contextlib.ExitStack() as stack:
-        tmp = stack.enter_context(atomic_dir(out_dir))
-        merged_tmp = None
-        if base is not None:
-            # Inside out_dir the merged model shares its rename; elsewhere it gets its own.
-            inside = merged_dir.resolve().parent == out_dir.resolve()
-            merged_tmp = tmp / merged_dir.name if inside else stack.enter_context(atomic_dir(merged_dir))
-            merged_tmp.mkdir(exist_ok=True)
+        tmp, merged_tmp = _output_folders(stack, out_dir, merged_dir if base is not None else None)
         _write_adapter(tmp, ref, config, factors, whole, dtype)
         digests = {ADAPTER_WEIGHTS: sha256_file(tmp / ADAPTER_WEIGHTS)}
         record_checksums(tmp, digests)
-        output = _output_record(tmp, out_dir, config, loaded, mode, rank, digests)
         record = {
             "method": f"lora_{mode}",
             "mode": mode,
             "weights": weighting,
             "dtype": dtype,
             "inputs": [_input_record(a, d) for a, d in zip(loaded, input_digests, strict=True)],
-            "output": output,
+            "output": _output_record(tmp, out_dir, config, loaded, mode, rank, digests),
             "merged": None,
             "warnings": warnings,
         }
-        bytes_read = sum(a.files[ADAPTER_WEIGHTS] for a in loaded)
-        bytes_written = output["bytes"]
         if base is not None:
             merged, base_record = write_merged(
                 merged_tmp, base, plan, factors, whole, scale, ref, shard_limit
             )
             record["merged"] = {"model_dir": str(merged_dir), **_merge_record(plan, base_record, merged)}
-            bytes_read += base_record["bytes"]
-            bytes_written += merged["bytes"]
-        record["bytes_read"] = bytes_read
-        record["bytes_written"] = bytes_written
+        # Bytes moved: the adapters (and the base) read, the adapter (and the merged model) written.
+        into = record["merged"] or {"base": {"bytes": 0}, "bytes": 0}
+        record["bytes_read"] = sum(a.files[ADAPTER_WEIGHTS] for a in loaded) + into["base"]["bytes"]
+        record["bytes_written"] = record["output"]["bytes"] + into["bytes"]
         record["wall_time_s"] = round(time.perf_counter() - started, 3)
-        write_json(tmp / RECORD, record)
-        if merged_tmp is not None:
-            write_json(merged_tmp / RECORD, record)
+        for folder in (tmp, merged_tmp):
+            if folder is not None:
+                write_json(folder / RECORD, record)
     for warning in warnings:
         _log(f"warning: {warning}")
     _log(
@@ -608,6 +596,26 @@ def aggregate_adapters(
         + f" in {record['wall_time_s']:.1f} s"
     )
     return record
+
+
+def _output_folders(stack: contextlib.ExitStack, out_dir: Path, merged_dir: Path | None):
+    """(adapter folder, merged model folder or None), each to appear by one rename when `stack` closes;
+    a merged model inside out_dir shares its rename."""
+    tmp = stack.enter_context(atomic_dir(out_dir))
+    if merged_dir is None:
+        return tmp, None
+    inside = merged_dir.resolve().parent == out_dir.resolve()
+    merged_tmp = tmp / merged_dir.name if inside else stack.enter_context(atomic_dir(merged_dir))
+    merged_tmp.mkdir(exist_ok=True)
+    return tmp, merged_tmp
+
+
+def _verified_digests(adapter: Adapter) -> dict[str, str]:
+    """The sha256 of an adapter's files; adapters written by fedtune's train carry
+    fedtune-checksums.json and must match it, others (peft's own) pass."""
+    digests = {name: sha256_file(adapter.path / name) for name in adapter.files}
+    verify_checksums(adapter.path, {ADAPTER_WEIGHTS: digests[ADAPTER_WEIGHTS]})
+    return digests
 
 
 def _check_arguments(mode: str, dtype: str, out_dir, merge_into, merged_out) -> None:

@@ -320,13 +320,7 @@ def aggregate(
     weights = normalised(raw)
     shard_limit = parse_size(options.max_shard_size)
 
-    site_models = [read_site_model(site, Path(models[site])) for site in sites]
-    for m in site_models:
-        m.tokens = tokens.get(m.site)
-        m.manifest = manifests.get(m.site)
-    start_model = None if plain else read_site_model("start", Path(start), f"the start model {start}")
-    check_compatible(site_models, start_model)
-
+    site_models, start_model = _read_models(models, manifests, tokens, None if plain else start)
     ref = site_models[0]
     plan = plan_output(ref, options.dtype, shard_limit)
     order = [t for shard in plan for t in shard]
@@ -364,9 +358,7 @@ def aggregate(
             _input_record(len(site_models) + k, f, digests, checksums) for k, f in enumerate(extra)
         ]
         if checksums:
-            # Inputs were hashed while being read: compare with what their writers recorded, for free.
-            for entry, m in zip([*inputs, *extra_records], [*site_models, *extra], strict=True):
-                verify_checksums(m.path, {name: f["sha256"] for name, f in entry["files"].items()})
+            _verify_inputs([*inputs, *extra_records], [*site_models, *extra])
             record_checksums(tmp, {name: f["sha256"] for name, f in output["files"].items()})
         warnings = _identical_inputs(inputs, site_models) if checksums else []
         for warning in warnings:
@@ -391,14 +383,38 @@ def aggregate(
             record["server_state_in"] = {"model_dir": str(server_state_in)}
         if state_tmp is not None:
             state = {"optimizer": optimizer, "step": round_step, "output": state_output}
-            if checksums:
-                record_checksums(state_tmp, {n: f["sha256"] for n, f in state_output["files"].items()})
-            write_json(state_tmp / STATE_RECORD, state)
+            _write_state_record(state_tmp, state, checksums)
             record["server_state_out"] = {"dir": str(server_state_out), **state}
         record["wall_time_s"] = round(time.perf_counter() - started, 3)
         write_json(tmp / "aggregate.json", record)
     _log(f"done in {record['wall_time_s']:.1f} s: {out_dir}")
     return record
+
+
+def _read_models(
+    models: Mapping[str, str | Path], manifests: Mapping[str, Path], tokens: Mapping[str, int], start
+) -> tuple[list[SiteModel], SiteModel | None]:
+    """The sites' folders (with their manifests' tokens) and the start model (None: not needed), after
+    checking that they line up."""
+    site_models = [read_site_model(site, Path(path)) for site, path in models.items()]
+    for m in site_models:
+        m.tokens = tokens.get(m.site)
+        m.manifest = manifests.get(m.site)
+    start_model = None if start is None else read_site_model("start", Path(start), f"the start model {start}")
+    check_compatible(site_models, start_model)
+    return site_models, start_model
+
+
+def _verify_inputs(records: Sequence[dict], folders: Sequence[WeightFolder]) -> None:
+    """Inputs were hashed while being read: compare with what their writers recorded, for free."""
+    for entry, m in zip(records, folders, strict=True):
+        verify_checksums(m.path, {name: f["sha256"] for name, f in entry["files"].items()})
+
+
+def _write_state_record(state_dir: Path, state: dict, checksums: bool) -> None:
+    if checksums:
+        record_checksums(state_dir, {n: f["sha256"] for n, f in state["output"]["files"].items()})
+    write_json(state_dir / STATE_RECORD, state)
 
 
 def _check_arguments(options: AggregateOptions, models, start, server_state_out, plain: bool) -> None:
