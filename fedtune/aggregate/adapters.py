@@ -133,6 +133,16 @@ def scaling(alpha: float, r: int, rslora: bool) -> float:
 def read_adapter(site: str, path: str | Path) -> Adapter:
     """The config and tensor table of one PEFT LoRA folder, checked against each other."""
     path = Path(path)
+    config_path, weights_path = _adapter_files(path)
+    config = _read_lora_config(config_path)
+    tensors = _read_tensor_table(weights_path)
+    factors, whole = _split_keys(tensors, weights_path)
+    modules = _lora_modules(factors, tensors, config, config_path, weights_path)
+    files = {ADAPTER_CONFIG: config_path.stat().st_size, ADAPTER_WEIGHTS: weights_path.stat().st_size}
+    return Adapter(site, path, config, tensors, modules, sorted(whole), files)
+
+
+def _adapter_files(path: Path) -> tuple[Path, Path]:
     who = f"adapter {path}"
     if not path.is_dir():
         raise AdapterAggregateError(f"{who}: folder not found")
@@ -145,6 +155,11 @@ def read_adapter(site: str, path: str | Path) -> Adapter:
                 else ""
             )
             raise AdapterAggregateError(f"{who}: {needed.name} missing{hint}")
+    return config_path, weights_path
+
+
+def _read_lora_config(config_path: Path) -> dict:
+    """adapter_config.json, refused unless it describes a plain LoRA this module can average."""
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
@@ -168,10 +183,11 @@ def read_adapter(site: str, path: str | Path) -> Adapter:
         raise AdapterAggregateError(f"{config_path}: r = {r!r} is not a positive integer")
     if not isinstance(alpha, int | float) or isinstance(alpha, bool):
         raise AdapterAggregateError(f"{config_path}: lora_alpha = {alpha!r} is not a number")
-    rslora = bool(config.get("use_rslora", False))
-    rank_pattern = config.get("rank_pattern") or {}
-    alpha_pattern = config.get("alpha_pattern") or {}
+    return config
 
+
+def _read_tensor_table(weights_path: Path) -> dict[str, TensorInfo]:
+    """The safetensors header of adapter_model.safetensors: every tensor's dtype, shape and bytes."""
     try:
         header = read_header(weights_path)
         start = header.pop("_data_start")
@@ -191,7 +207,11 @@ def read_adapter(site: str, path: str | Path) -> Adapter:
             raise AdapterAggregateError(f"{weights_path}: tensor {key} has dtype {info.dtype}, not a float")
     if not tensors:
         raise AdapterAggregateError(f"{weights_path}: holds no tensors")
+    return tensors
 
+
+def _split_keys(tensors: Mapping[str, TensorInfo], weights_path: Path) -> tuple[dict, list[str]]:
+    """(module -> {"A": key, "B": key}, keys of tensors trained whole)."""
     factors: dict[str, dict[str, str]] = {}
     whole = []
     for key in tensors:
@@ -210,6 +230,17 @@ def read_adapter(site: str, path: str | Path) -> Adapter:
                     "aggregated: no embedding, convolution or DoRA adapters)"
                 )
             whole.append(key)
+    return factors, whole
+
+
+def _lora_modules(
+    factors, tensors, config: dict, config_path: Path, weights_path: Path
+) -> dict[str, LoraModule]:
+    """Each module's factors, checked: A r x in and B out x r, r as the config says (rank_pattern)."""
+    r, alpha = config["r"], config["lora_alpha"]
+    rslora = bool(config.get("use_rslora", False))
+    rank_pattern = config.get("rank_pattern") or {}
+    alpha_pattern = config.get("alpha_pattern") or {}
     modules: dict[str, LoraModule] = {}
     for module, pair in sorted(factors.items()):
         if set(pair) != {"A", "B"}:
@@ -233,8 +264,7 @@ def read_adapter(site: str, path: str | Path) -> Adapter:
         )
     if not modules:
         raise AdapterAggregateError(f"{weights_path}: no lora_A/lora_B weights")
-    files = {ADAPTER_CONFIG: config_path.stat().st_size, ADAPTER_WEIGHTS: weights_path.stat().st_size}
-    return Adapter(site, path, config, tensors, modules, sorted(whole), files)
+    return modules
 
 
 def _ranks(adapter: Adapter) -> str:
