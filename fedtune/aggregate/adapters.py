@@ -45,7 +45,7 @@ from fedtune.aggregate.model_compat import CONFIG_FILE, COPIED_FILES
 from fedtune.core import cli, offline
 from fedtune.core.atomic import atomic_dir, write_json
 from fedtune.core.checksums import sha256_file
-from fedtune.core.config import AggregateOptions, torch_dtype
+from fedtune.core.config import MERGED_DTYPES, AggregateOptions, torch_dtype
 from fedtune.core.models import record_checksums, verify_checksums
 from fedtune.core.safetensors_stream import (
     ST_DTYPES,
@@ -65,7 +65,7 @@ MODES = ("exact", "average_factors")
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 RECORD = "aggregate.json"
-OUTPUT_DTYPES = ("auto", "float32", "bfloat16", "float16")
+OUTPUT_DTYPES = MERGED_DTYPES
 # peft's saved keys: base_model.model.<module path>.lora_A.weight; no adapter name in the file.
 PREFIX = "base_model.model."
 LORA_A = ".lora_A.weight"

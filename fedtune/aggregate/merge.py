@@ -8,7 +8,9 @@ fedtune.aggregate.server_optimizers. Private memory therefore stays near a few c
 fp32, whatever the model size, so a 7B merge fits on a login node.
 
 Before any of that, every site must agree on tensor names, shapes and dtypes, on the model config and on
-the tokenizer (fedtune.aggregate.model_compat lists every difference)."""
+the tokenizer (fedtune.aggregate.model_compat lists every difference). The settings arrive as one
+AggregateOptions (`--options`), checked when it was made (fedtune.core.config); this module checks only
+what the options need of the other arguments (a start model, a state folder, the sites' weights)."""
 
 from __future__ import annotations
 

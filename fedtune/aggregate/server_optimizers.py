@@ -16,7 +16,11 @@ them with np.zeros_like in the first round); the paper asks for v_{-1} >= tau^2,
 denominator keeps the first update finite either way. Two other choices of Flower are not copied, so
 that each rule is exactly the paper's: Flower's FedAdam multiplies lr by the bias correction
 sqrt(1 - b2^(t+1)) / (1 - b1^(t+1)), and its FedAdagrad fixes b1 = 0 (set betas: [0, ...] for that).
-The state (m, v) is kept in fp32."""
+The state (m, v) is kept in fp32.
+
+OPTIMIZERS is the registry (name, parameters with their defaults, step, state slots); the options
+(fedtune.core.config.ServerOptimizerOptions) are checked once, against aggregate.schema.yaml, when they
+are made, so nothing here checks them again."""
 
 from __future__ import annotations
 
