@@ -75,3 +75,23 @@ def test_options_round_trip_through_their_json_form():
     assert options.to_dict()["lambda"] == 0.5 and options.server_optimizer.betas == (0.9, 0.99)
     compared = AggregateOptions.from_json(options.compared_json("dare_ties"))
     assert compared.method == "dare_ties" and compared.server_optimizer.plain and compared.lam == 0.5
+
+
+def test_the_run_config_holds_the_section_as_options_with_the_models_dtype():
+    from fedtune.core.config import ConfigError, build_run_config
+    from tests.workflow_harness import demo_config
+
+    config = demo_config()
+    config["model"]["dtype"] = "bfloat16"
+    config["aggregate"] = {"method": "ties", "weights": {"alpha": 1, "beta": 2}}
+    run = build_run_config(config)
+    assert isinstance(run.aggregate, AggregateOptions) and run.aggregate.dtype == "bfloat16"
+    assert run.aggregate.method == "ties" and run.aggregate.server_optimizer.name == "sgd"
+    config = demo_config()
+    config["aggregate"] = {"weights": {"alpha": 1}}
+    with pytest.raises(
+        ConfigError, match=r"aggregate.weights: must name every site once.*missing: \['beta'\]"
+    ):
+        build_run_config(config)
+    with pytest.raises(ConfigError, match="dtype: 'int8' is not one of auto, float32"):
+        AggregateOptions.from_mapping({"dtype": "int8"})
