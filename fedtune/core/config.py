@@ -527,8 +527,9 @@ class AggregateOptions(_Options):
         return cls(**values, dtype=dtype)
 
     def to_dict(self) -> dict:
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        values["lambda"] = values.pop("lam")
+        values = {
+            ("lambda" if f.name == "lam" else f.name): getattr(self, f.name) for f in dataclasses.fields(self)
+        }
         values["server_optimizer"] = self.server_optimizer.to_dict()
         return json.loads(json.dumps(values))
 
