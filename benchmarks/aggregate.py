@@ -10,9 +10,9 @@ cache:
 - fedtune: `python -m fedtune.aggregate` (streaming, sha256 of inputs and outputs included);
 - naive: the published run's way: from_pretrained every site, average the state dicts in fp32,
   save_pretrained;
-- ties: `--method ties --density 0.5 --start START` (a third checkpoint as the round's start), against
+- ties: method ties, density 0.5, `--start START` (a third checkpoint as the round's start), against
   its own floor: reading the sites and the start, writing the output;
-- fedadam: the second round of `--server-optimizer fedadam` (the first, unmeasured, writes the state),
+- fedadam: the second round of server optimizer fedadam (the first, unmeasured, writes the state),
   reading the sites, the start and the fp32 state (m, v), writing the output and the new state; its
   floor counts the state's read and write.
 
@@ -272,8 +272,8 @@ def main() -> int:
 
         drop_cache(inputs)
         result["cached_before_fedtune"] = round(cached_fraction(inputs), 3)
-        cmd = [python, "-m", "fedtune.aggregate", "--out", str(work / "merged"), "--weights", "uniform"]
-        cmd += ["--dtype", "float16", "--max-shard-size", args.shard_size, "--model"]
+        cmd = [python, "-m", "fedtune.aggregate", "--out", str(work / "merged")]
+        cmd += ["--options", options_json(args.shard_size), "--model"]
         cmd += [f"site{k}={site}" for k, site in enumerate(sites)]
         result["fedtune"] = run_measured(cmd, work / "fedtune.log")
         record = json.loads((work / "merged" / "aggregate.json").read_text())
@@ -313,13 +313,17 @@ def main() -> int:
     return 0
 
 
+def options_json(shard_size: str, **values) -> str:
+    """The aggregate options of a run: uniform weights, fp16 output, the benchmark's shard size."""
+    return json.dumps({"weights": "uniform", "dtype": "float16", "max_shard_size": shard_size, **values})
+
+
 def method_runs(args, work, sites, inputs, out_bytes, shard_bytes, budgets, python) -> dict:
     """ties and the second round of fedadam, each against its own floor, from a cold cache."""
     start = work / "start"
     make_checkpoint(start, args.layers, seed=99, shard_bytes=shard_bytes)
     start_files = sorted(start.glob("*.safetensors"))
-    base = [python, "-m", "fedtune.aggregate", "--weights", "uniform", "--dtype", "float16"]
-    base += ["--max-shard-size", args.shard_size, "--start", str(start), "--model"]
+    base = [python, "-m", "fedtune.aggregate", "--start", str(start), "--model"]
     base += [f"site{k}={site}" for k, site in enumerate(sites)]
     runs: dict = {}
 
@@ -328,11 +332,18 @@ def method_runs(args, work, sites, inputs, out_bytes, shard_bytes, budgets, pyth
     floor_ties = floor(files, out_bytes, work / "floor.bin")
     drop_cache(files)
     ties = run_measured(
-        [*base, "--out", str(work / "ties"), "--method", "ties", "--density", "0.5"], work / "ties.log"
+        [
+            *base,
+            "--out",
+            str(work / "ties"),
+            "--options",
+            options_json(args.shard_size, method="ties", density=0.5),
+        ],
+        work / "ties.log",
     )
     runs["ties"] = {"floor": floor_ties, **ties}
 
-    adam = ["--server-optimizer", '{"name": "fedadam", "lr": 0.01}']
+    adam = ["--options", options_json(args.shard_size, server_optimizer={"name": "fedadam", "lr": 0.01})]
     run_measured(
         [*base, "--out", str(work / "adam1"), *adam, "--server-state-out", str(work / "state1")],
         work / "adam1.log",

@@ -130,8 +130,11 @@ def test_exact_is_the_mean_of_the_updates_for_sites_of_different_ranks(llama_bas
     ]
     weights = [1.0, 3.0, 2.0]
     out = tmp_path / "aggregate"
-    argv = ["--adapters", *(f"{s.name}={s}" for s in sites), "--weights", *map(str, weights)]
-    assert main([*argv, "--mode", "exact", "--output", str(out), "--merge-into", str(llama_base)]) == 0
+    options = json.dumps(
+        {"adapter_merge": "exact", "weights": {s.name: w for s, w in zip(sites, weights, strict=True)}}
+    )
+    argv = ["--adapters", *(f"{s.name}={s}" for s in sites), "--options", options]
+    assert main([*argv, "--out", str(out), "--merge-into", str(llama_base)]) == 0
 
     config = json.loads((out / ADAPTER_CONFIG).read_text())
     assert (config["r"], config["lora_alpha"], config["use_rslora"]) == (14, 14, False)
@@ -327,7 +330,7 @@ def test_mismatched_target_modules_are_refused(llama_base, two_ranks, tmp_path):
 
 
 def test_weights_must_match_the_adapters(two_ranks, tmp_path):
-    with pytest.raises(AdapterAggregateError, match=r"--weights: 3 weight\(s\).*2 adapter\(s\)"):
+    with pytest.raises(AdapterAggregateError, match=r"weights: 3 weight\(s\).*2 adapter\(s\)"):
         aggregate_adapters(two_ranks, tmp_path / "out", weights=[1, 2, 3])
     with pytest.raises(AdapterAggregateError, match="finite non-negative"):
         aggregate_adapters(two_ranks, tmp_path / "out", weights=[1, -2])
@@ -339,11 +342,23 @@ def test_missing_files_and_cli_exit_code(two_ranks, tmp_path, capsys):
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / ADAPTER_CONFIG).write_text((two_ranks[0] / ADAPTER_CONFIG).read_text())
-    code = main(["--adapters", str(two_ranks[0]), str(broken), "--output", str(tmp_path / "out")])
+    code = main(
+        ["--adapters", str(two_ranks[0]), str(broken), "--out", str(tmp_path / "out"), "--options", "{}"]
+    )
     err = capsys.readouterr().err
     assert code == 2 and f"adapter {broken}: {ADAPTER_WEIGHTS} missing" in err
     assert (
-        main(["--adapters", str(two_ranks[0]), str(tmp_path / "nowhere"), "--output", str(tmp_path / "o")])
+        main(
+            [
+                "--adapters",
+                str(two_ranks[0]),
+                str(tmp_path / "nowhere"),
+                "--out",
+                str(tmp_path / "o"),
+                "--options",
+                "{}",
+            ]
+        )
         == 2
     )
     assert "folder not found" in capsys.readouterr().err
@@ -467,15 +482,17 @@ def test_cli_weights_by_tokens_and_merge_gives_what_merge_into_gives(two_ranks, 
     record_checksums(llama_base, {"model.safetensors": sha256_file(llama_base / "model.safetensors")})
     manifests = [manifest(tmp_path / "a.json", "a", 1000), manifest(tmp_path / "b.json", "b", 3000)]
     out = tmp_path / "aggregate"
-    code = main(["--adapters", f"a={low}", f"b={high}", "--weights", "tokens", "--manifest", *manifests,
-                 "--output", str(out), "--merge-into", str(llama_base)])  # fmt: skip
+    code = main(["--adapters", f"a={low}", f"b={high}", "--options", '{"weights": "tokens"}', "--manifest",
+                 *manifests, "--out", str(out), "--merge-into", str(llama_base)])  # fmt: skip
     assert code == 0
     record = json.loads((out / "aggregate.json").read_text())
     assert record["weights"]["normalised"] == {"a": 0.25, "b": 0.75}
     expected = expected_mean([low, high], [0.25, 0.75])
 
     merged = tmp_path / "merged"
-    assert main(["--merge", str(out), "--base", str(llama_base), "--output", str(merged)]) == 0
+    assert (
+        main(["--merge", str(out), "--base", str(llama_base), "--out", str(merged), "--options", "{}"]) == 0
+    )
     got = load_file(merged / "model.safetensors")
     # Bit for bit what the aggregating run merged: every cluster starts the next round from the same weights.
     reference = load_file(out / "merged" / "model.safetensors")
@@ -489,12 +506,9 @@ def test_cli_weights_by_tokens_and_merge_gives_what_merge_into_gives(two_ranks, 
 
 def test_cli_refuses_tokens_without_manifests_and_merge_without_base(two_ranks, tmp_path, capsys):
     low, high = two_ranks
-    code = main(
-        ["--adapters", f"a={low}", f"b={high}", "--weights", "tokens", "--output", str(tmp_path / "o")]
-    )
-    assert (
-        code == 2 and "--weights tokens needs --manifest SITE=PATH for every site" in capsys.readouterr().err
-    )
-    assert main(["--merge", str(low), "--output", str(tmp_path / "m")]) == 2
+    tokens = '{"weights": "tokens"}'
+    code = main(["--adapters", f"a={low}", f"b={high}", "--options", tokens, "--out", str(tmp_path / "o")])
+    assert code == 2 and "weights tokens needs --manifest SITE=PATH for every site" in capsys.readouterr().err
+    assert main(["--merge", str(low), "--out", str(tmp_path / "m"), "--options", "{}"]) == 2
     assert "--merge needs --base" in capsys.readouterr().err
     assert not (tmp_path / "o").exists() and not (tmp_path / "m").exists()

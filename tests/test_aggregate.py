@@ -14,6 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from fedtune.aggregate.merge import AggregateError, aggregate, main, parse_size
+from fedtune.core.config import AggregateOptions, ConfigError
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8, "dtype": "float32"}
 TOKENIZER = {
@@ -21,6 +22,13 @@ TOKENIZER = {
     "added_tokens": [],
     "model": {"type": "BPE", "vocab": {"a": 0, "b": 1}, "merges": []},
 }
+
+
+def options(**values) -> AggregateOptions:
+    """Aggregate options as the config's section writes them (`lam` for its key lambda)."""
+    if "lam" in values:
+        values["lambda"] = values.pop("lam")
+    return AggregateOptions.from_mapping(values)
 
 
 def random_tensors(seed: int) -> dict[str, torch.Tensor]:
@@ -76,7 +84,7 @@ def test_identical_models_give_that_model_bit_for_bit(tmp_path):
     models = {
         s: write_checkpoint(tmp_path / s, tensors, shards=2 if s == "b" else 1) for s in ("a", "b", "c")
     }
-    record = aggregate(models, tmp_path / "out", weights='{"a": 1, "b": 2.5, "c": 7}')
+    record = aggregate(models, tmp_path / "out", options(weights={"a": 1, "b": 2.5, "c": 7}))
     merged = read_output(tmp_path / "out")
     assert merged.keys() == tensors.keys()
     for name, tensor in tensors.items():
@@ -100,8 +108,7 @@ def test_identical_hf_model_roundtrips_through_transformers(tmp_path, tiny_model
     record = aggregate(
         {"alpha": tmp_path / "alpha", "beta": tmp_path / "beta"},
         out,
-        weights="uniform",
-        max_shard_size="100KB",
+        options(weights="uniform", max_shard_size="100KB"),
     )
     # Tokenizer and config travel with the weights, so the merged folder is a complete model.
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
@@ -129,7 +136,7 @@ def test_weighted_mean_matches_hand_computation(tmp_path, dtype):
         "b": write_checkpoint(tmp_path / "b", inputs[1], shards=3),
         "c": write_checkpoint(tmp_path / "c", inputs[2], shards=2),
     }
-    aggregate(models, tmp_path / "out", weights='{"a": 1, "b": 2, "c": 5}', dtype=dtype)
+    aggregate(models, tmp_path / "out", options(weights={"a": 1, "b": 2, "c": 5}, dtype=dtype))
     merged = read_output(tmp_path / "out")
     expected = hand_mean(inputs, [1, 2, 5])
     for name, value in expected.items():
@@ -153,7 +160,7 @@ def test_token_weights_come_from_the_manifests(tmp_path):
         "a": write_manifest(tmp_path / "a.json", "a", 100),
         "b": write_manifest(tmp_path / "b.json", "b", 300),
     }
-    record = aggregate(models, tmp_path / "out", manifests=manifests, dtype="float32")
+    record = aggregate(models, tmp_path / "out", options(dtype="float32"), manifests=manifests)
     assert record["weights"] == {
         "source": "tokens",
         "raw": {"a": 100, "b": 300},
@@ -169,7 +176,7 @@ def test_output_shards_and_index_are_consistent(tmp_path):
     big = {f"model.layers.{i}.mlp.up_proj.weight": torch.randn(64, 64) for i in range(5)}
     big["model.norm.weight"] = torch.randn(64).to(torch.float16)
     models = {s: write_checkpoint(tmp_path / s, big) for s in ("a", "b")}
-    record = aggregate(models, tmp_path / "out", weights="uniform", max_shard_size="40KB")
+    record = aggregate(models, tmp_path / "out", options(weights="uniform", max_shard_size="40KB"))
     out = tmp_path / "out"
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
@@ -201,7 +208,7 @@ def mismatch(tmp_path, **changes) -> str:
         del other[name]
     write_checkpoint(tmp_path / "b", other, config=changes.get("config"), tokenizer=changes.get("tokenizer"))
     with pytest.raises(AggregateError) as error:
-        aggregate({"a": tmp_path / "a", "b": tmp_path / "b"}, tmp_path / "out", weights="uniform")
+        aggregate({"a": tmp_path / "a", "b": tmp_path / "b"}, tmp_path / "out", options(weights="uniform"))
     assert not (tmp_path / "out").exists()
     assert not list(tmp_path.glob(".out.tmp-*"))
     return str(error.value)
@@ -250,21 +257,34 @@ def test_lists_every_difference_at_once(tmp_path):
 @pytest.mark.parametrize(
     ("weights", "expected"),
     [
-        ('{"a": -1, "b": 2}', "negative"),
-        ('{"a": 0, "b": 0}', "sum to zero"),
-        ('{"a": 1}', "missing: ['b']"),
-        ('{"a": 1, "b": 1, "c": 1}', "unknown: ['c']"),
-        ('{"a": "x", "b": 1}', "must be numbers"),
-        ("biggest", "neither tokens, uniform"),
+        ({"a": 0, "b": 0}, "sum to zero"),
+        ({"a": 1}, "missing: ['b']"),
+        ({"a": 1, "b": 1, "c": 1}, "unknown: ['c']"),
         ("tokens", "needs --manifest"),
     ],
 )
 def test_refuses_bad_weights_before_reading_models(tmp_path, weights, expected):
     # The model folders do not exist: the weights must be rejected before they are even looked at.
-    with pytest.raises(AggregateError, match="--weights") as error:
-        aggregate({"a": tmp_path / "nope-a", "b": tmp_path / "nope-b"}, tmp_path / "out", weights=weights)
+    with pytest.raises(AggregateError, match="weights") as error:
+        aggregate(
+            {"a": tmp_path / "nope-a", "b": tmp_path / "nope-b"}, tmp_path / "out", options(weights=weights)
+        )
     assert expected in str(error.value)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("weights", "expected"),
+    [
+        ({"a": -1, "b": 2}, "less than the minimum"),
+        ({"a": "x", "b": 1}, "is not of type 'number'"),
+        ("biggest", "biggest"),
+    ],
+)
+def test_weights_that_are_not_a_weighting_are_refused_by_the_options(weights, expected):
+    with pytest.raises(ConfigError, match="aggregate.weights") as error:
+        options(weights=weights)
+    assert expected in str(error.value)
 
 
 def test_refuses_zero_tokens_in_every_manifest(tmp_path):
@@ -285,7 +305,9 @@ def test_refuses_a_manifest_of_another_site(tmp_path):
 def test_refuses_the_same_folder_twice(tmp_path):
     write_checkpoint(tmp_path / "a", random_tensors(0))
     with pytest.raises(AggregateError, match="same model folder"):
-        aggregate({"a": tmp_path / "a", "b": tmp_path / "a" / "."}, tmp_path / "out", weights="uniform")
+        aggregate(
+            {"a": tmp_path / "a", "b": tmp_path / "a" / "."}, tmp_path / "out", options(weights="uniform")
+        )
 
 
 def test_zero_weight_site_is_ignored(tmp_path):
@@ -294,7 +316,7 @@ def test_zero_weight_site_is_ignored(tmp_path):
         "a": write_checkpoint(tmp_path / "a", inputs[0]),
         "b": write_checkpoint(tmp_path / "b", inputs[1]),
     }
-    aggregate(models, tmp_path / "out", weights='{"a": 0, "b": 3}')
+    aggregate(models, tmp_path / "out", options(weights={"a": 0, "b": 3}))
     merged = read_output(tmp_path / "out")
     assert all(torch.equal(merged[n], inputs[1][n]) for n in inputs[1])
 
@@ -320,16 +342,19 @@ def test_cli(tmp_path, capsys, monkeypatch):
         "--model",
         f"a={models[0]}",
         f"b={models[1]}",
-        "--dtype",
-        "float16",
+        "--options",
+        options(dtype="float16").to_json(),
     ]
     argv += ["--manifest", f"a={manifests[0]}", f"b={manifests[1]}"]
     assert main(argv) == 0
     record = json.loads((tmp_path / "out" / "aggregate.json").read_text())
     assert record["weights"]["normalised"] == {"a": 0.5, "b": 0.5}
     assert {t.dtype for t in read_output(tmp_path / "out").values()} == {torch.float16}
-    assert main(["--out", str(tmp_path / "x"), "--model", "a", "--weights", "uniform"]) == 2
-    assert "is not SITE=PATH" in capsys.readouterr().err
+    uniform = options(weights="uniform").to_json()
+    assert main(["--out", str(tmp_path / "x"), "--model", "a", "--options", uniform]) == 2
+    assert "fedtune.aggregate: error: --model: 'a' is not SITE=PATH" in capsys.readouterr().err
+    assert main(["--out", str(tmp_path / "x"), "--model", "a=b", "--options", '{"method": "mean"}']) == 2
+    assert "--options: aggregate.method: 'mean' is not one of" in capsys.readouterr().err
 
 
 def test_write_error_stops_the_merge_and_leaves_nothing(tmp_path, monkeypatch):
@@ -343,6 +368,6 @@ def test_write_error_stops_the_merge_and_leaves_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(module.ShardWriter, "_put", disk_full)
     with pytest.raises(OSError, match="No space left"):
-        aggregate(models, tmp_path / "out", weights="uniform", max_shard_size="20KB")
+        aggregate(models, tmp_path / "out", options(weights="uniform", max_shard_size="20KB"))
     assert not (tmp_path / "out").exists()
     assert not list(tmp_path.glob(".out.tmp-*"))

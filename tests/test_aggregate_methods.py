@@ -9,6 +9,8 @@ from mergekit.merge_methods import merge_tensors
 
 from fedtune.aggregate import methods as merge_methods
 from fedtune.aggregate.merge import AggregateError, aggregate
+from fedtune.core.config import ConfigError
+from tests.test_aggregate import options as aggregate_options
 from tests.test_aggregate import read_output, write_checkpoint
 
 WEIGHTS = [0.2, 0.3, 0.5]
@@ -37,12 +39,12 @@ def test_methods_equal_mergekit(method, density, lam, shape):
     base, sites = task_inputs(shape)
     params = {"lambda": lam, "density": density, "seed": 11, "name": "model.w", "rescale": "l1"}
     flat = [s.reshape(-1) for s in sites]
-    ours = base.reshape(-1) + merge_methods.METHODS[method](base.reshape(-1), flat, WEIGHTS, params)
+    ours = base.reshape(-1) + merge_methods.task_vector(method, base.reshape(-1), flat, WEIGHTS, params)
     theirs = mergekit_merge(method, base, sites, WEIGHTS, lam=lam, density=density, seed=11, name="model.w")
     torch.testing.assert_close(ours, theirs.reshape(-1), rtol=0, atol=1e-6)
     if method != "task_arithmetic" and density < 1:
         # The sparsification did something: the result is not plain task arithmetic.
-        plain = merge_methods.task_arithmetic(base.reshape(-1), flat, WEIGHTS, params)
+        plain = merge_methods.task_vector("task_arithmetic", base.reshape(-1), flat, WEIGHTS, params)
         assert (base.reshape(-1) + plain - ours).abs().max() > 1e-3
 
 
@@ -52,14 +54,14 @@ def test_ties_by_hand():
     sites = [torch.tensor([3.0, -1.0, 0.5, -2.0]), torch.tensor([-1.0, -4.0, 2.0, 0.1])]
     # trimmed: site0 keeps 3, -2; site1 keeps -4, 2. Weighted (0.5, 0.5): [1.5, 0, 0, -1], [0, -2, 1, 0]
     # elected signs: +, -, +, -; disjoint mean divides by the kept weights (0.5 each).
-    merged = merge_methods.ties(base, sites, [0.5, 0.5], {"density": 0.5, "lambda": 1.0})
+    merged = merge_methods.task_vector("ties", base, sites, [0.5, 0.5], {"density": 0.5, "lambda": 1.0})
     assert merged.tolist() == [3.0, -4.0, 2.0, -2.0]
 
 
 def test_dare_paper_rescale_is_one_over_density():
     base, sites = task_inputs((1000,), seed=3, sites=2)
     params = {"density": 0.25, "lambda": 1.0, "seed": 4, "name": "t", "rescale": "density"}
-    ours = merge_methods.dare_linear(base, sites, [0.5, 0.5], params)
+    ours = merge_methods.task_vector("dare_linear", base, sites, [0.5, 0.5], params)
     generator = torch.Generator().manual_seed(merge_methods.tensor_seed(4, "t"))
     expected = torch.zeros(1000, dtype=torch.float64)
     for site in sites:
@@ -81,8 +83,10 @@ def test_aggregate_streams_a_method_equal_to_mergekit(tmp_path):
         "a": write_checkpoint(tmp_path / "a", sites[0]),
         "b": write_checkpoint(tmp_path / "b", sites[1], shards=3),
     }
-    options = {"method": "dare_ties", "weights": '{"a": 1, "b": 3}', "lam": 0.8, "density": 0.5, "seed": 9}
-    record = aggregate(models, tmp_path / "one", start=start, max_shard_size="2KB", **options)
+    options = {"method": "dare_ties", "weights": {"a": 1, "b": 3}, "lam": 0.8, "density": 0.5, "seed": 9}
+    record = aggregate(
+        models, tmp_path / "one", aggregate_options(**options, max_shard_size="2KB"), start=start
+    )
     merged = read_output(tmp_path / "one")
     for name in names:
         theirs = mergekit_merge(
@@ -102,11 +106,11 @@ def test_aggregate_streams_a_method_equal_to_mergekit(tmp_path):
         "a": write_checkpoint(tmp_path / "a2", sites[0], shards=2),
         "b": write_checkpoint(tmp_path / "b2", sites[1]),
     }
-    aggregate(models_resharded, tmp_path / "two", start=start, **options)
+    aggregate(models_resharded, tmp_path / "two", aggregate_options(**options), start=start)
     again = read_output(tmp_path / "two")
     assert all(torch.equal(again[n], merged[n]) for n in names)
     # Another seed draws other masks.
-    aggregate(models, tmp_path / "three", start=start, **{**options, "seed": 10})
+    aggregate(models, tmp_path / "three", aggregate_options(**{**options, "seed": 10}), start=start)
     other = read_output(tmp_path / "three")
     assert any(not torch.equal(other[n], merged[n]) for n in names)
 
@@ -119,14 +123,13 @@ def test_fedavg_with_start_is_todays_mean_bit_for_bit(tmp_path):
         for _ in range(3)
     ]
     models = {s: write_checkpoint(tmp_path / s, t) for s, t in zip("abc", tensors, strict=True)}
-    weights = '{"a": 1, "b": 2.5, "c": 7}'
-    aggregate(models, tmp_path / "plain", weights=weights)
+    weights = {"a": 1, "b": 2.5, "c": 7}
+    aggregate(models, tmp_path / "plain", aggregate_options(weights=weights))
     aggregate(
         models,
         tmp_path / "start",
-        weights=weights,
+        aggregate_options(weights=weights, server_optimizer={"name": "sgd", "lr": 1.0}),
         start=models["a"],
-        server_optimizer={"name": "sgd", "lr": 1.0},
     )
     plain, with_start = read_output(tmp_path / "plain"), read_output(tmp_path / "start")
     normalised = [w / 10.5 for w in (1, 2.5, 7)]
@@ -144,10 +147,12 @@ def test_fedavg_with_start_is_todays_mean_bit_for_bit(tmp_path):
 def test_methods_need_the_start_model(tmp_path):
     with pytest.raises(AggregateError, match="--start"):
         aggregate(
-            {"a": tmp_path / "a", "b": tmp_path / "b"}, tmp_path / "out", weights="uniform", method="ties"
+            {"a": tmp_path / "a", "b": tmp_path / "b"},
+            tmp_path / "out",
+            aggregate_options(weights="uniform", method="ties"),
         )
-    with pytest.raises(AggregateError, match="--density"):
-        aggregate({"a": tmp_path / "a"}, tmp_path / "out", weights="uniform", method="ties", density=0)
+    with pytest.raises(ConfigError, match="aggregate.density"):
+        aggregate_options(weights="uniform", method="ties", density=0)
 
 
 def test_start_model_must_hold_the_same_tensors(tmp_path):
@@ -155,7 +160,8 @@ def test_start_model_must_hold_the_same_tensors(tmp_path):
     models = {s: write_checkpoint(tmp_path / s, {"w": t}) for s, t in zip("ab", sites, strict=True)}
     start = write_checkpoint(tmp_path / "start", {"w": base[:4]})
     with pytest.raises(AggregateError, match="the start model .* tensor shapes differ"):
-        aggregate(models, tmp_path / "out", weights="uniform", method="ties", density=0.5, start=start)
+        options = aggregate_options(weights="uniform", method="ties", density=0.5)
+        aggregate(models, tmp_path / "out", options, start=start)
 
 
 def test_kth_largest_is_exact_on_large_tensors_with_ties():
@@ -204,7 +210,7 @@ def test_streamed_ties_equals_the_whole_tensor_definition_bit_for_bit(dtype):
     sites = [(base.float() + torch.randn(n, generator=g) * 0.001).to(dtype) for _ in range(3)]
     weights = [0.2, 0.5, 0.3]
     for density, lam in ((0.5, 1.0), (0.13, 0.8)):
-        ours = merge_methods.ties(base, sites, weights, {"density": density, "lambda": lam})
+        ours = merge_methods.task_vector("ties", base, sites, weights, {"density": density, "lambda": lam})
         reference = whole_tensor_ties(base, sites, weights, density, lam)
         assert torch.equal(ours.view(torch.int32), reference.view(torch.int32)), density
 

@@ -10,6 +10,8 @@ import torch
 
 from fedtune.aggregate import methods as merge_methods
 from fedtune.aggregate.merge import AggregateError, aggregate, main
+from fedtune.core.config import ConfigError
+from tests.test_aggregate import options as aggregate_options
 from tests.test_aggregate import read_output, write_checkpoint
 
 NAMES = {"model.layers.0.mlp.up_proj.weight": (12, 8), "model.norm.weight": (8,)}
@@ -63,11 +65,9 @@ def test_two_rounds_equal_the_update_rule(tmp_path, optimizer):
         aggregate(
             models,
             tmp_path / f"round-{r}" / "model",
-            weights='{"a": 1, "b": 3}',
-            start=start,
             # Small shards: a tensor's m and v land in different state files.
-            max_shard_size="400B",
-            server_optimizer=options,
+            aggregate_options(weights={"a": 1, "b": 3}, max_shard_size="400B", server_optimizer=options),
+            start=start,
             server_state_in=state_in,
             server_state_out=state_out,
         )
@@ -104,17 +104,15 @@ def test_server_optimizer_composes_with_ties(tmp_path):
     aggregate(
         models,
         tmp_path / "out",
-        weights="uniform",
-        method="ties",
-        density=0.4,
+        aggregate_options(weights="uniform", method="ties", density=0.4, server_optimizer=options),
         start=write_checkpoint(tmp_path / "base", base),
-        server_optimizer=options,
         server_state_out=tmp_path / "state",
     )
     merged = read_output(tmp_path / "out")
     for n in NAMES:
         flat = [s[n].reshape(-1) for s in sites]
-        delta = merge_methods.ties(base[n].reshape(-1), flat, [0.5, 0.5], {"density": 0.4, "lambda": 1.0})
+        params = {"density": 0.4, "lambda": 1.0}
+        delta = merge_methods.task_vector("ties", base[n].reshape(-1), flat, [0.5, 0.5], params)
         zeros = torch.zeros_like(delta, dtype=torch.float64)
         update, _, _ = hand_step(options, delta.double(), zeros, zeros)
         expected = base[n].reshape(-1).double() + update
@@ -129,9 +127,8 @@ def first_round(tmp_path, options):
     aggregate(
         models,
         tmp_path / "r1",
-        weights="uniform",
+        aggregate_options(weights="uniform", server_optimizer=options),
         start=start,
-        server_optimizer=options,
         server_state_out=tmp_path / "state1",
     )
     return models, tmp_path / "r1"
@@ -143,9 +140,8 @@ def test_state_of_another_optimizer_or_a_damaged_state_is_refused(tmp_path):
         aggregate(
             models,
             tmp_path / "r2",
-            weights="uniform",
+            aggregate_options(weights="uniform", server_optimizer=OPTIONS["fedyogi"]),
             start=r1,
-            server_optimizer=OPTIONS["fedyogi"],
             server_state_in=tmp_path / "state1",
             server_state_out=tmp_path / "state2",
         )
@@ -158,14 +154,12 @@ def test_state_of_another_optimizer_or_a_damaged_state_is_refused(tmp_path):
             [
                 "--out",
                 str(tmp_path / "r2"),
-                "--weights",
-                "uniform",
+                "--options",
+                aggregate_options(weights="uniform", server_optimizer=OPTIONS["fedadam"]).to_json(),
                 "--model",
                 *(f"{s}={p}" for s, p in models.items()),
                 "--start",
                 str(r1),
-                "--server-optimizer",
-                json.dumps(OPTIONS["fedadam"]),
                 "--server-state-in",
                 str(tmp_path / "state1"),
                 "--server-state-out",
@@ -179,24 +173,16 @@ def test_state_of_another_optimizer_or_a_damaged_state_is_refused(tmp_path):
 
 def test_bad_server_options_fail_before_reading(tmp_path):
     for options, message in [
-        ({"name": "adamw"}, "not one of"),
-        ({"name": "fedadam", "betas": [0.9, 1.0]}, "betas"),
-        ({"name": "fedavgm", "lr": 0}, "lr must be positive"),
+        ({"name": "adamw"}, "name: 'adamw' is not one of"),
+        ({"name": "fedadam", "betas": [0.9, 1.0]}, "betas.1: 1.0 is greater than or equal to the maximum"),
+        ({"name": "fedavgm", "lr": 0}, "lr: 0 is less than or equal to the minimum"),
     ]:
-        with pytest.raises(AggregateError, match=message):
-            aggregate(
-                {"a": tmp_path / "a"},
-                tmp_path / "out",
-                weights="uniform",
-                start=tmp_path,
-                server_optimizer=options,
-                server_state_out=tmp_path / "s",
-            )
+        with pytest.raises(ConfigError, match=f"aggregate.server_optimizer.{message}"):
+            aggregate_options(weights="uniform", server_optimizer=options)
     with pytest.raises(AggregateError, match="--server-state-out is needed"):
         aggregate(
             {"a": tmp_path / "a"},
             tmp_path / "out",
-            weights="uniform",
+            aggregate_options(weights="uniform", server_optimizer={"name": "fedadam"}),
             start=tmp_path,
-            server_optimizer={"name": "fedadam"},
         )

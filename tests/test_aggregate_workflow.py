@@ -36,7 +36,7 @@ def test_rounds_pass_start_and_server_state_and_compare_models_are_targets(tmp_p
     run = "results/demo"
     compared = [f"{run}/round-{r}/compare/{m}/model" for r in (1, 2) for m in ("ties", "dare_linear")]
     result = snakemake(tmp_path, "-n", "-p", f"{run}/round-2/aggregate/model", *compared)
-    commands = shell_commands(result.stdout, "fedtune.aggregate.merge")
+    commands = shell_commands(result.stdout, "fedtune.aggregate")
     merged = {option(c, "--out"): c for c in commands}
     assert set(merged) == {f"{run}/round-1/aggregate/model", f"{run}/round-2/aggregate/model", *compared}
     first, second = merged[f"{run}/round-1/aggregate/model"], merged[f"{run}/round-2/aggregate/model"]
@@ -45,14 +45,19 @@ def test_rounds_pass_start_and_server_state_and_compare_models_are_targets(tmp_p
     assert "--server-state-in" not in first
     assert option(second, "--server-state-in") == f"{run}/round-1/aggregate/server_state"
     assert option(second, "--server-state-out") == f"{run}/round-2/aggregate/server_state"
-    assert json.loads(option(second, "--server-optimizer")) == {
+    options = json.loads(option(second, "--options"))
+    assert options["server_optimizer"] == {
         "name": "fedadam",
         "lr": 0.1,
         "momentum": 0.9,
         "betas": [0.9, 0.99],
         "tau": 0.001,
     }
+    # The compared methods are not the merge's business: adding one does not rerun the aggregation.
+    assert options["compare"] == [] and options["dtype"] == config["model"].get("dtype", "float32")
     ties = merged[f"{run}/round-2/compare/ties/model"]
-    assert option(ties, "--method") == "ties" and option(ties, "--density") == "0.5"
+    compared = json.loads(option(ties, "--options"))
+    assert compared["method"] == "ties" and compared["density"] == 0.5
     assert option(ties, "--start") == f"{run}/round-1/aggregate/model"
-    assert "--server-optimizer" not in ties and "--server-state-out" not in ties
+    assert compared["server_optimizer"]["name"] == "sgd" and compared["server_optimizer"]["lr"] == 1.0
+    assert "--server-state-out" not in ties

@@ -116,7 +116,7 @@ def test_no_rule_reads_the_raw_config():
     rules = PACKAGE.parent / "workflow" / "rules"
     for path in [PACKAGE.parent / "Snakefile", *sorted(rules.glob("*.smk"))]:
         for number, line in enumerate(path.read_text().splitlines(), 1):
-            code = line.split("#")[0]
+            code = re.sub(r'"[^"]*"|\'[^\']*\'', '""', line.split("#")[0])  # strings are no reads
             if "build_run_config(" in code or (path.name == "common.smk" and code.strip() == "config,"):
                 continue
             assert not re.search(r"(?<![\w.])config\s*[\[.(]|to_json\(config\)", code), (

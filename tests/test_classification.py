@@ -285,6 +285,7 @@ def test_aggregation_merges_the_classification_heads(classifier_dir, tmp_path):
     from safetensors.torch import load_file, save_file
 
     from fedtune.aggregate.merge import aggregate
+    from fedtune.core.config import AggregateOptions
     from fedtune.core.models import record_checksums
 
     states = {}
@@ -299,7 +300,7 @@ def test_aggregation_merges_the_classification_heads(classifier_dir, tmp_path):
     aggregate(
         {"alpha": tmp_path / "alpha", "beta": tmp_path / "beta"},
         tmp_path / "out",
-        weights={"alpha": 1.0, "beta": 3.0},
+        AggregateOptions.from_mapping({"weights": {"alpha": 1.0, "beta": 3.0}}),
     )
     merged = load_model(tmp_path / "out", task=CLASSIFICATION)
     expected = (states["alpha"]["score.weight"] + 3 * states["beta"]["score.weight"]) / 4

@@ -299,8 +299,10 @@ def test_an_adapter_is_scored_on_its_base_as_its_merged_model_scores(tiny_model_
         "adapter",
         "--base",
         str(tiny_model_dir),
-        "--output",
+        "--out",
         "merged",
+        "--options",
+        "{}",
     )
     fedtune("fedtune.download.fetch", "tasks", "--tasks", str(ROOT / PROJECT_TASK), "--out", "tasks")
     score = ["--tasks-dir", "tasks", "--device", "cpu", "--batch-size", "4", "--limit", LIMIT]

@@ -120,7 +120,7 @@ def test_with_adapters_only_adapters_cross_and_each_cluster_merges_the_aggregate
     assert "--source me@leo:/run/round-1/aggregate/adapter " in by_rule["fetch_aggregate"].shell
     merge = by_rule["merge_adapter"].shell
     assert "--merge results/demo/round-1/aggregate/adapter --base results/demo/model/base" in merge
-    assert "--output results/demo/round-1/aggregate/model" in merge
+    assert "--out results/demo/round-1/aggregate/model" in merge
     # Round 1 of beta is leonardo's input (fetched from here), not this target's.
     (train,) = [job for job in jobs if job.name == "train"]
     assert train.wildcards == {"round": "2", "site": "beta"}

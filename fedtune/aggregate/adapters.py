@@ -20,7 +20,6 @@ output folder appears by one rename (fedtune.core.atomic)."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -35,12 +34,18 @@ from pathlib import Path
 import torch
 
 from fedtune.aggregate.adapter_size import pattern_value
-from fedtune.aggregate.merge import parse_pairs, parse_size
+from fedtune.aggregate.merge import (
+    manifest_tokens,
+    normalised,
+    parse_pairs,
+    parse_size,
+    resolve_weights,
+)
 from fedtune.aggregate.model_compat import CONFIG_FILE, COPIED_FILES
-from fedtune.core import offline
+from fedtune.core import cli, offline
 from fedtune.core.atomic import atomic_dir, write_json
 from fedtune.core.checksums import sha256_file
-from fedtune.core.config import ConfigError, UserError, check_weights, torch_dtype
+from fedtune.core.config import MERGED_DTYPES, AggregateOptions, torch_dtype
 from fedtune.core.models import record_checksums, verify_checksums
 from fedtune.core.safetensors_stream import (
     ST_DTYPES,
@@ -60,7 +65,7 @@ MODES = ("exact", "average_factors")
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 RECORD = "aggregate.json"
-OUTPUT_DTYPES = ("auto", "float32", "bfloat16", "float16")
+OUTPUT_DTYPES = MERGED_DTYPES
 # peft's saved keys: base_model.model.<module path>.lora_A.weight; no adapter name in the file.
 PREFIX = "base_model.model."
 LORA_A = ".lora_A.weight"
@@ -128,6 +133,16 @@ def scaling(alpha: float, r: int, rslora: bool) -> float:
 def read_adapter(site: str, path: str | Path) -> Adapter:
     """The config and tensor table of one PEFT LoRA folder, checked against each other."""
     path = Path(path)
+    config_path, weights_path = _adapter_files(path)
+    config = _read_lora_config(config_path)
+    tensors = _read_tensor_table(weights_path)
+    factors, whole = _split_keys(tensors, weights_path)
+    modules = _lora_modules(factors, tensors, config, config_path, weights_path)
+    files = {ADAPTER_CONFIG: config_path.stat().st_size, ADAPTER_WEIGHTS: weights_path.stat().st_size}
+    return Adapter(site, path, config, tensors, modules, sorted(whole), files)
+
+
+def _adapter_files(path: Path) -> tuple[Path, Path]:
     who = f"adapter {path}"
     if not path.is_dir():
         raise AdapterAggregateError(f"{who}: folder not found")
@@ -140,6 +155,11 @@ def read_adapter(site: str, path: str | Path) -> Adapter:
                 else ""
             )
             raise AdapterAggregateError(f"{who}: {needed.name} missing{hint}")
+    return config_path, weights_path
+
+
+def _read_lora_config(config_path: Path) -> dict:
+    """adapter_config.json, refused unless it describes a plain LoRA this module can average."""
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
@@ -163,10 +183,11 @@ def read_adapter(site: str, path: str | Path) -> Adapter:
         raise AdapterAggregateError(f"{config_path}: r = {r!r} is not a positive integer")
     if not isinstance(alpha, int | float) or isinstance(alpha, bool):
         raise AdapterAggregateError(f"{config_path}: lora_alpha = {alpha!r} is not a number")
-    rslora = bool(config.get("use_rslora", False))
-    rank_pattern = config.get("rank_pattern") or {}
-    alpha_pattern = config.get("alpha_pattern") or {}
+    return config
 
+
+def _read_tensor_table(weights_path: Path) -> dict[str, TensorInfo]:
+    """The safetensors header of adapter_model.safetensors: every tensor's dtype, shape and bytes."""
     try:
         header = read_header(weights_path)
         start = header.pop("_data_start")
@@ -186,7 +207,11 @@ def read_adapter(site: str, path: str | Path) -> Adapter:
             raise AdapterAggregateError(f"{weights_path}: tensor {key} has dtype {info.dtype}, not a float")
     if not tensors:
         raise AdapterAggregateError(f"{weights_path}: holds no tensors")
+    return tensors
 
+
+def _split_keys(tensors: Mapping[str, TensorInfo], weights_path: Path) -> tuple[dict, list[str]]:
+    """(module -> {"A": key, "B": key}, keys of tensors trained whole)."""
     factors: dict[str, dict[str, str]] = {}
     whole = []
     for key in tensors:
@@ -205,6 +230,17 @@ def read_adapter(site: str, path: str | Path) -> Adapter:
                     "aggregated: no embedding, convolution or DoRA adapters)"
                 )
             whole.append(key)
+    return factors, whole
+
+
+def _lora_modules(
+    factors, tensors, config: dict, config_path: Path, weights_path: Path
+) -> dict[str, LoraModule]:
+    """Each module's factors, checked: A r x in and B out x r, r as the config says (rank_pattern)."""
+    r, alpha = config["r"], config["lora_alpha"]
+    rslora = bool(config.get("use_rslora", False))
+    rank_pattern = config.get("rank_pattern") or {}
+    alpha_pattern = config.get("alpha_pattern") or {}
     modules: dict[str, LoraModule] = {}
     for module, pair in sorted(factors.items()):
         if set(pair) != {"A", "B"}:
@@ -228,8 +264,7 @@ def read_adapter(site: str, path: str | Path) -> Adapter:
         )
     if not modules:
         raise AdapterAggregateError(f"{weights_path}: no lora_A/lora_B weights")
-    files = {ADAPTER_CONFIG: config_path.stat().st_size, ADAPTER_WEIGHTS: weights_path.stat().st_size}
-    return Adapter(site, path, config, tensors, modules, sorted(whole), files)
+    return modules
 
 
 def _ranks(adapter: Adapter) -> str:
@@ -301,33 +336,6 @@ def check_adapters(adapters: Sequence[Adapter], mode: str) -> list[str]:
     if len(bases) > 1:
         warnings.append(f"the adapters name different base models: {sorted(map(str, bases))}")
     return warnings
-
-
-def resolve_weights(
-    weights: Sequence[float] | None, adapters: Sequence[Adapter]
-) -> tuple[str, dict[str, float]]:
-    """(source, raw weight per site); one number per adapter, in the order the adapters were given."""
-    sites = [a.site for a in adapters]
-    if weights is None:
-        return "uniform", {site: 1.0 for site in sites}
-    weights = list(weights)
-    if len(weights) != len(sites):
-        raise AdapterAggregateError(
-            f"--weights: {len(weights)} weight(s) {weights} for {len(sites)} adapter(s) {sites}: give one per adapter"
-        )
-    bad = [
-        w
-        for w in weights
-        if not isinstance(w, int | float) or isinstance(w, bool) or not math.isfinite(w) or w < 0
-    ]
-    if bad:
-        raise AdapterAggregateError(f"--weights: {bad} are not finite non-negative numbers")
-    raw = dict(zip(sites, map(float, weights), strict=True))
-    try:
-        check_weights(raw, sites, "--weights")
-    except ConfigError as e:
-        raise AdapterAggregateError(str(e)) from None
-    return "explicit", raw
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -550,7 +558,8 @@ def aggregate_adapters(
     out_dir: str | Path,
     *,
     mode: str = "exact",
-    weights: Sequence[float] | None = None,
+    weights: str | Mapping[str, float] | Sequence[float] = "uniform",
+    manifests: Mapping[str, str | Path] | None = None,
     dtype: str = "auto",
     merge_into: str | Path | None = None,
     merged_out: str | Path | None = None,
@@ -558,16 +567,101 @@ def aggregate_adapters(
 ) -> dict:
     """Aggregate PEFT LoRA folders (a list, or site -> folder) into the adapter folder `out_dir`; with
     `merge_into` (a base model folder) also into a full model at `merged_out` (default out_dir/merged).
-    `weights`: one number per adapter (normalised here), default uniform. Returns aggregate.json."""
+    `weights`: as aggregate.weights (tokens, from `manifests`; uniform; site -> number) or one number
+    per adapter; normalised here. Returns aggregate.json."""
     started = time.perf_counter()
+    _check_arguments(mode, dtype, out_dir, merge_into, merged_out)
+    pairs = _site_folders(adapters)
+    shard_limit = parse_size(max_shard_size)
+    loaded = [read_adapter(site, path) for site, path in pairs]
+    source, raw = _weights(weights, [a.site for a in loaded], manifests)
+    weighting = {"source": source, "raw": raw, "normalised": normalised(raw)}
+    warnings = check_adapters(loaded, mode)
+    ref = loaded[0]
+    base = plan = None
+    if merge_into is not None:
+        base = read_base(merge_into)
+        plan = plan_merge(base, ref)
+
+    input_digests = [_verified_digests(a) for a in loaded]
+    tensors = [_load(a) for a in loaded]
+    n_weights = [weighting["normalised"][a.site] for a in loaded]
+    factors, whole, rank, scale = aggregate_factors(loaded, tensors, n_weights, mode)
+    config = adapter_config(ref, mode, rank)
+    out_dir = Path(out_dir)
+    merged_dir = Path(merged_out) if merged_out is not None else out_dir / "merged"
+    with contextlib.ExitStack() as stack:
+        tmp, merged_tmp = _output_folders(stack, out_dir, merged_dir if base is not None else None)
+        _write_adapter(tmp, ref, config, factors, whole, dtype)
+        digests = {ADAPTER_WEIGHTS: sha256_file(tmp / ADAPTER_WEIGHTS)}
+        record_checksums(tmp, digests)
+        record = {
+            "method": f"lora_{mode}",
+            "mode": mode,
+            "weights": weighting,
+            "dtype": dtype,
+            "inputs": [_input_record(a, d) for a, d in zip(loaded, input_digests, strict=True)],
+            "output": _output_record(tmp, out_dir, config, loaded, mode, rank, digests),
+            "merged": None,
+            "warnings": warnings,
+        }
+        if base is not None:
+            merged, base_record = write_merged(
+                merged_tmp, base, plan, factors, whole, scale, ref, shard_limit
+            )
+            record["merged"] = {"model_dir": str(merged_dir), **_merge_record(plan, base_record, merged)}
+        # Bytes moved: the adapters (and the base) read, the adapter (and the merged model) written.
+        into = record["merged"] or {"base": {"bytes": 0}, "bytes": 0}
+        record["bytes_read"] = sum(a.files[ADAPTER_WEIGHTS] for a in loaded) + into["base"]["bytes"]
+        record["bytes_written"] = record["output"]["bytes"] + into["bytes"]
+        record["wall_time_s"] = round(time.perf_counter() - started, 3)
+        for folder in (tmp, merged_tmp):
+            if folder is not None:
+                write_json(folder / RECORD, record)
+    for warning in warnings:
+        _log(f"warning: {warning}")
+    _log(
+        f"{mode} of {len(loaded)} adapters ({', '.join(_ranks(a) for a in loaded)}) -> r={rank}: {out_dir}"
+        + (f"; merged into {merge_into}: {merged_dir}" if base is not None else "")
+        + f" in {record['wall_time_s']:.1f} s"
+    )
+    return record
+
+
+def _output_folders(stack: contextlib.ExitStack, out_dir: Path, merged_dir: Path | None):
+    """(adapter folder, merged model folder or None), each to appear by one rename when `stack` closes;
+    a merged model inside out_dir shares its rename."""
+    tmp = stack.enter_context(atomic_dir(out_dir))
+    if merged_dir is None:
+        return tmp, None
+    inside = merged_dir.resolve().parent == out_dir.resolve()
+    merged_tmp = tmp / merged_dir.name if inside else stack.enter_context(atomic_dir(merged_dir))
+    merged_tmp.mkdir(exist_ok=True)
+    return tmp, merged_tmp
+
+
+def _verified_digests(adapter: Adapter) -> dict[str, str]:
+    """The sha256 of an adapter's files; adapters written by fedtune's train carry
+    fedtune-checksums.json and must match it, others (peft's own) pass."""
+    digests = {name: sha256_file(adapter.path / name) for name in adapter.files}
+    verify_checksums(adapter.path, {ADAPTER_WEIGHTS: digests[ADAPTER_WEIGHTS]})
+    return digests
+
+
+def _check_arguments(mode: str, dtype: str, out_dir, merge_into, merged_out) -> None:
     if mode not in MODES:
-        raise AdapterAggregateError(f"--mode: {mode!r} is not one of {', '.join(MODES)}")
+        raise AdapterAggregateError(f"mode: {mode!r} is not one of {', '.join(MODES)}")
     if dtype not in OUTPUT_DTYPES:
         raise AdapterAggregateError(f"--dtype: {dtype!r} is not one of {', '.join(OUTPUT_DTYPES)}")
     if merged_out is not None and merge_into is None:
         raise AdapterAggregateError("--merged-output needs --merge-into (the base model to merge into)")
     if merged_out is not None and Path(merged_out).resolve() == Path(out_dir).resolve():
-        raise AdapterAggregateError(f"--merged-output {merged_out} is the adapter's --output folder")
+        raise AdapterAggregateError(f"--merged-output {merged_out} is the adapter's --out folder")
+
+
+def _site_folders(adapters: Sequence[str | Path] | Mapping[str, str | Path]) -> list[tuple[str, Path]]:
+    """(site, folder) pairs; a plain list names each site by its folder. The same folder twice is a
+    copy-paste slip that would count one site twice."""
     pairs = list(adapters.items()) if isinstance(adapters, Mapping) else [(str(p), p) for p in adapters]
     if not pairs:
         raise AdapterAggregateError("no adapters given (--adapters DIR ...)")
@@ -577,112 +671,64 @@ def aggregate_adapters(
         if real in seen:
             raise AdapterAggregateError(f"{seen[real]} and {site} are the same adapter folder {path}")
         seen[real] = site
-    shard_limit = parse_size(max_shard_size)
-    loaded = [read_adapter(site, path) for site, path in pairs]
-    source, raw = resolve_weights(weights, loaded)
-    total = sum(raw.values())
-    normalised = {site: w / total for site, w in raw.items()}
-    warnings = check_adapters(loaded, mode)
-    ref = loaded[0]
-    base = plan = None
-    if merge_into is not None:
-        base = read_base(merge_into)
-        plan = plan_merge(base, ref)
+    return pairs
 
-    input_digests = [{name: sha256_file(a.path / name) for name in a.files} for a in loaded]
-    for a, digests in zip(loaded, input_digests, strict=True):
-        # Adapters written by fedtune's train carry fedtune-checksums.json; others (peft's own) pass.
-        verify_checksums(a.path, {ADAPTER_WEIGHTS: digests[ADAPTER_WEIGHTS]})
-    tensors = [_load(a) for a in loaded]
-    n_weights = [normalised[a.site] for a in loaded]
-    factors, whole, rank, scale = aggregate_factors(loaded, tensors, n_weights, mode)
-    config = adapter_config(ref, mode, rank)
-    out_dir = Path(out_dir)
-    merged_dir = Path(merged_out) if merged_out is not None else out_dir / "merged"
-    with contextlib.ExitStack() as stack:
-        tmp = stack.enter_context(atomic_dir(out_dir))
-        merged_tmp = None
-        if base is not None:
-            # Inside out_dir the merged model shares its rename; elsewhere it gets its own.
-            inside = merged_dir.resolve().parent == out_dir.resolve()
-            merged_tmp = tmp / merged_dir.name if inside else stack.enter_context(atomic_dir(merged_dir))
-            merged_tmp.mkdir(exist_ok=True)
-        _write_adapter(tmp, ref, config, factors, whole, dtype)
-        digests = {ADAPTER_WEIGHTS: sha256_file(tmp / ADAPTER_WEIGHTS)}
-        record_checksums(tmp, digests)
-        inputs = [
-            {
-                "site": a.site,
-                "adapter_dir": str(a.path),
-                "r": sorted({m.r for m in a.modules.values()}),
-                "lora_alpha": a.config.get("lora_alpha"),
-                "use_rslora": bool(a.config.get("use_rslora")),
-                "scaling": sorted({m.scaling for m in a.modules.values()}),
-                "bytes": a.files[ADAPTER_WEIGHTS],
-                "files": {name: {"bytes": size, "sha256": d[name]} for name, size in a.files.items()},
-            }
-            for a, d in zip(loaded, input_digests, strict=True)
-        ]
-        padded = (
-            sum(1 for name in ref.modules if sum(a.modules[name].r for a in loaded) < rank)
-            if mode == "exact"
-            else 0
-        )
-        output = {
-            "adapter_dir": str(out_dir),
-            "r": rank,
-            "lora_alpha": config["lora_alpha"],
-            "use_rslora": bool(config.get("use_rslora")),
-            "modules": len(ref.modules),
-            "padded_modules": padded,
-            "whole_tensors": ref.whole,
-            "bytes": (tmp / ADAPTER_WEIGHTS).stat().st_size,
-            "files": {
-                ADAPTER_WEIGHTS: {
-                    "bytes": (tmp / ADAPTER_WEIGHTS).stat().st_size,
-                    "sha256": digests[ADAPTER_WEIGHTS],
-                }
-            },
-        }
-        bytes_read = sum(a.files[ADAPTER_WEIGHTS] for a in loaded)
-        bytes_written = output["bytes"]
-        record = {
-            "method": f"lora_{mode}",
-            "mode": mode,
-            "weights": {"source": source, "raw": raw, "normalised": normalised},
-            "dtype": dtype,
-            "inputs": inputs,
-            "output": output,
-            "merged": None,
-            "warnings": warnings,
-        }
-        if base is not None:
-            merged, base_record = write_merged(
-                merged_tmp, base, plan, factors, whole, scale, ref, shard_limit
-            )
-            record["merged"] = {
-                "model_dir": str(merged_dir),
-                "base": base_record,
-                "adapted_tensors": sum(v.startswith("lora:") for v in plan.values()),
-                "replaced_tensors": sum(v.startswith("whole:") for v in plan.values()),
-                **merged,
-            }
-            bytes_read += base_record["bytes"]
-            bytes_written += merged["bytes"]
-        record["bytes_read"] = bytes_read
-        record["bytes_written"] = bytes_written
-        record["wall_time_s"] = round(time.perf_counter() - started, 3)
-        write_json(tmp / RECORD, record)
-        if merged_tmp is not None:
-            write_json(merged_tmp / RECORD, record)
-    for warning in warnings:
-        _log(f"warning: {warning}")
-    _log(
-        f"{mode} of {len(loaded)} adapters ({', '.join(_ranks(a) for a in loaded)}) -> r={rank}: {out_dir}"
-        + (f"; merged into {merge_into}: {merged_dir}" if base is not None else "")
-        + f" in {record['wall_time_s']:.1f} s"
+
+def _weights(spec, sites: Sequence[str], manifests: Mapping[str, str | Path] | None):
+    """(source, raw weight per site), read as the merge of whole models reads aggregate.weights."""
+    manifests = {site: Path(p) for site, p in (manifests or {}).items()}
+    unknown = sorted(set(manifests) - set(sites))
+    if unknown:
+        raise AdapterAggregateError(f"--manifest: sites {unknown} have no adapter")
+    tokens = {
+        site: manifest_tokens(site, path, error=AdapterAggregateError) for site, path in manifests.items()
+    }
+    return resolve_weights(spec, sites, tokens, error=AdapterAggregateError)
+
+
+def _input_record(adapter: Adapter, digests: Mapping[str, str]) -> dict:
+    return {
+        "site": adapter.site,
+        "adapter_dir": str(adapter.path),
+        "r": sorted({m.r for m in adapter.modules.values()}),
+        "lora_alpha": adapter.config.get("lora_alpha"),
+        "use_rslora": bool(adapter.config.get("use_rslora")),
+        "scaling": sorted({m.scaling for m in adapter.modules.values()}),
+        "bytes": adapter.files[ADAPTER_WEIGHTS],
+        "files": {name: {"bytes": size, "sha256": digests[name]} for name, size in adapter.files.items()},
+    }
+
+
+def _output_record(tmp: Path, out_dir: Path, config: dict, loaded, mode: str, rank: int, digests) -> dict:
+    ref = loaded[0]
+    # Exact mode pads the modules whose summed rank is below the adapter's r (aggregate_factors).
+    padded = (
+        sum(1 for name in ref.modules if sum(a.modules[name].r for a in loaded) < rank)
+        if mode == "exact"
+        else 0
     )
-    return record
+    size = (tmp / ADAPTER_WEIGHTS).stat().st_size
+    return {
+        "adapter_dir": str(out_dir),
+        "r": rank,
+        "lora_alpha": config["lora_alpha"],
+        "use_rslora": bool(config.get("use_rslora")),
+        "modules": len(ref.modules),
+        "padded_modules": padded,
+        "whole_tensors": ref.whole,
+        "bytes": size,
+        "files": {ADAPTER_WEIGHTS: {"bytes": size, "sha256": digests[ADAPTER_WEIGHTS]}},
+    }
+
+
+def _merge_record(plan: Mapping[str, str], base_record: dict, merged: dict) -> dict:
+    """What a merge into the base wrote: the base read, the tensors it changed, the output's files."""
+    return {
+        "base": base_record,
+        "adapted_tensors": sum(v.startswith("lora:") for v in plan.values()),
+        "replaced_tensors": sum(v.startswith("whole:") for v in plan.values()),
+        **merged,
+    }
 
 
 def merge_adapter(
@@ -709,51 +755,12 @@ def merge_adapter(
         record = {
             "method": "lora_merge",
             "adapter_dir": str(adapter_dir),
-            "adapted_tensors": sum(v.startswith("lora:") for v in plan.values()),
-            "replaced_tensors": sum(v.startswith("whole:") for v in plan.values()),
-            "base": base_record,
-            **merged,
+            **_merge_record(plan, base_record, merged),
             "wall_time_s": round(time.perf_counter() - started, 3),
         }
         write_json(tmp / RECORD, record)
     _log(f"merged {adapter_dir} into {base_dir}: {out_dir} in {record['wall_time_s']:.1f} s")
     return record
-
-
-def numeric_weights(
-    spec: Sequence[str] | None, sites: Sequence[str], manifests: Mapping[str, Path]
-) -> list[float] | None:
-    """--weights as numbers in the adapters' order: numbers as given, or tokens / uniform / a JSON
-    mapping site -> number as fedtune.aggregate.merge reads them (tokens from the sites' manifests)."""
-    from fedtune.aggregate.merge import AggregateError, manifest_tokens
-    from fedtune.aggregate.merge import resolve_weights as resolve_named
-
-    if spec is None:
-        return None
-    if len(spec) == 1 and not _is_number(spec[0]):
-        unknown = sorted(set(manifests) - set(sites))
-        if unknown:
-            raise AdapterAggregateError(f"--manifest: sites {unknown} have no adapter")
-        try:
-            tokens = {site: manifest_tokens(site, manifests[site]) for site in sites if site in manifests}
-            _, raw = resolve_named(spec[0], sites, tokens)
-        except AggregateError as error:
-            raise AdapterAggregateError(str(error)) from None
-        return [float(raw[site]) for site in sites]
-    bad = [w for w in spec if not _is_number(w)]
-    if bad:
-        raise AdapterAggregateError(
-            f"--weights: {bad} are not numbers (or give one of tokens, uniform, JSON)"
-        )
-    return [float(w) for w in spec]
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
 
 
 def _log(message: str) -> None:
@@ -768,38 +775,24 @@ def _adapter_arg(item: str) -> tuple[str, str]:
     return item, item
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+@cli.entry(__name__)
+def main(argv: Sequence[str] | None = None) -> None:
     offline.enforce()
-    parser = argparse.ArgumentParser(
-        prog="python -m fedtune.aggregate.adapters",
-        description="Aggregate the sites' PEFT LoRA adapters into one adapter (and optionally a full model).",
+    parser = cli.parser(
+        __name__, "Aggregate the sites' PEFT LoRA adapters into one adapter (and optionally a full model)."
     )
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--adapters", nargs="+", metavar="[SITE=]DIR", help="PEFT adapter folders to aggregate")
     what.add_argument(
         "--merge",
         metavar="ADAPTER_DIR",
-        help="merge this one adapter into --base, writing a full model to --output",
+        help="merge this one adapter into --base, writing a full model to --out",
     )
     parser.add_argument("--base", metavar="MODEL_DIR", help="the model --merge adds the adapter's update to")
+    cli.add_out(parser, "folder of the aggregate adapter, or of the --merge model (atomic)")
+    cli.add_options(parser, "the aggregate section (adapter_merge, weights, max_shard_size)")
     parser.add_argument(
-        "--weights",
-        nargs="+",
-        default=None,
-        metavar="W",
-        help="one number per adapter, or tokens (with --manifest), uniform, or JSON site -> number (default: equal)",
-    )
-    parser.add_argument(
-        "--manifest", nargs="+", default=[], metavar="SITE=PATH", help="site manifests, for --weights tokens"
-    )
-    parser.add_argument(
-        "--mode",
-        default="exact",
-        choices=MODES,
-        help="exact: the mean of the updates as one adapter of rank sum(r_i); average_factors: mean(B), mean(A)",
-    )
-    parser.add_argument(
-        "--output", required=True, help="folder of the aggregate adapter, or of the --merge model (atomic)"
+        "--manifest", nargs="+", default=[], metavar="SITE=PATH", help="site manifests, for weights tokens"
     )
     parser.add_argument(
         "--merge-into", default=None, metavar="BASE_MODEL_DIR", help="also write base + aggregate update"
@@ -808,7 +801,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--merged-output",
         default=None,
         metavar="DIR",
-        help="folder of the merged model (default: OUTPUT/merged)",
+        help="folder of the merged model (default: OUT/merged)",
     )
     parser.add_argument(
         "--dtype",
@@ -816,34 +809,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         choices=OUTPUT_DTYPES,
         help="dtype of the adapter's tensors (auto: as the first site's); sums are taken in fp32",
     )
-    parser.add_argument("--max-shard-size", default="5GB", help="largest file of the merged model")
     args = parser.parse_args(argv)
-    try:
-        if args.merge:
-            if not args.base:
-                raise AdapterAggregateError("--merge needs --base (the model to add the adapter's update to)")
-            merge_adapter(args.merge, args.base, args.output, max_shard_size=args.max_shard_size)
-            return 0
-        pairs: dict[str, str] = {}
-        for item in args.adapters:
-            site, path = _adapter_arg(item)
-            if site in pairs:
-                raise AdapterAggregateError(f"--adapters: {site} given twice")
-            pairs[site] = path
-        aggregate_adapters(
-            pairs,
-            args.output,
-            mode=args.mode,
-            weights=numeric_weights(args.weights, list(pairs), parse_pairs(args.manifest, "--manifest")),
-            dtype=args.dtype,
-            merge_into=args.merge_into,
-            merged_out=args.merged_output,
-            max_shard_size=args.max_shard_size,
-        )
-    except UserError as e:
-        print(f"adapter_aggregate: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    options = AggregateOptions.from_json(args.options)
+    if args.merge:
+        if not args.base:
+            raise AdapterAggregateError("--merge needs --base (the model to add the adapter's update to)")
+        merge_adapter(args.merge, args.base, args.out, max_shard_size=options.max_shard_size)
+        return
+    aggregate_adapters(
+        _adapter_pairs(args.adapters),
+        args.out,
+        mode=options.adapter_merge,
+        weights=options.weights,
+        manifests=parse_pairs(args.manifest, "--manifest"),
+        dtype=args.dtype,
+        merge_into=args.merge_into,
+        merged_out=args.merged_output,
+        max_shard_size=options.max_shard_size,
+    )
+
+
+def _adapter_pairs(items: Sequence[str]) -> dict[str, str]:
+    pairs: dict[str, str] = {}
+    for item in items:
+        site, path = _adapter_arg(item)
+        if site in pairs:
+            raise AdapterAggregateError(f"--adapters: {site} given twice")
+        pairs[site] = path
+    return pairs
 
 
 if __name__ == "__main__":

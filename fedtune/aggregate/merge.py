@@ -8,30 +8,40 @@ fedtune.aggregate.server_optimizers. Private memory therefore stays near a few c
 fp32, whatever the model size, so a 7B merge fits on a login node.
 
 Before any of that, every site must agree on tensor names, shapes and dtypes, on the model config and on
-the tokenizer (fedtune.aggregate.model_compat lists every difference)."""
+the tokenizer (fedtune.aggregate.model_compat lists every difference). The settings arrive as one
+AggregateOptions (`--options`), checked when it was made (fedtune.core.config); this module checks only
+what the options need of the other arguments (a start model, a state folder, the sites' weights)."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from fedtune.aggregate.methods import CHUNK, METHODS, RESCALES, weighted_mean
+from fedtune.aggregate.methods import CHUNK, METHODS, MergeMethod, chunks, weighted_mean
 from fedtune.aggregate.model_compat import CONFIG_FILE, COPIED_FILES, compatibility_problems
-from fedtune.aggregate.server_optimizers import ServerOptimizer, step
-from fedtune.core import offline
+from fedtune.aggregate.server_optimizers import slots, step
+from fedtune.core import cli, offline
 from fedtune.core.atomic import atomic_dir, write_json
 from fedtune.core.checksums import sha256_file
-from fedtune.core.config import ConfigError, UserError, check_weights, torch_dtype
+from fedtune.core.config import (
+    AggregateOptions,
+    ConfigError,
+    ServerOptimizerOptions,
+    UserError,
+    check_weights,
+    torch_dtype,
+)
 from fedtune.core.models import record_checksums, verify_checksums
 from fedtune.core.safetensors_stream import (
     ST_DTYPES,
@@ -45,8 +55,6 @@ from fedtune.core.safetensors_stream import (
     plan_shards,
     read_weights,
 )
-
-OUTPUT_DTYPES = ("float32", "bfloat16", "float16", "auto")
 
 
 class AggregateError(WeightsError):
@@ -97,62 +105,76 @@ def parse_pairs(items: Sequence[str], option: str) -> dict[str, Path]:
     return pairs
 
 
-def manifest_tokens(site: str, path: Path) -> int:
+def manifest_tokens(site: str, path: Path, *, error: type[UserError] = AggregateError) -> int:
     """Tokens the site trained on per epoch: splits.train.tokens_kept of its manifest."""
     try:
         manifest = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise AggregateError(f"site {site}: manifest not found: {path}") from None
+        raise error(f"site {site}: manifest not found: {path}") from None
     except json.JSONDecodeError as e:
-        raise AggregateError(f"site {site}: manifest {path} is not valid JSON: {e}") from None
+        raise error(f"site {site}: manifest {path} is not valid JSON: {e}") from None
     if manifest.get("site", site) != site:
-        raise AggregateError(f"site {site}: manifest {path} belongs to site {manifest['site']!r}")
+        raise error(f"site {site}: manifest {path} belongs to site {manifest['site']!r}")
     try:
         tokens = manifest["splits"]["train"]["tokens_kept"]
     except (KeyError, TypeError):
-        raise AggregateError(f"site {site}: manifest {path} has no splits.train.tokens_kept") from None
+        raise error(f"site {site}: manifest {path} has no splits.train.tokens_kept") from None
     if not isinstance(tokens, int) or isinstance(tokens, bool):
-        raise AggregateError(f"site {site}: manifest {path}: splits.train.tokens_kept is not an integer")
+        raise error(f"site {site}: manifest {path}: splits.train.tokens_kept is not an integer")
     return tokens
 
 
 def resolve_weights(
-    spec: str | Mapping[str, float], sites: Sequence[str], tokens: Mapping[str, int | None]
+    spec: str | Mapping[str, float] | Sequence[float],
+    sites: Sequence[str],
+    tokens: Mapping[str, int | None],
+    *,
+    error: type[UserError] = AggregateError,
 ) -> tuple[str, dict[str, float]]:
-    """(source, raw weight per site) from --weights: tokens, uniform, or a JSON mapping site -> number."""
-    if isinstance(spec, str) and spec not in ("tokens", "uniform"):
-        try:
-            spec = json.loads(spec)
-        except json.JSONDecodeError:
-            raise AggregateError(
-                f"--weights: {spec!r} is neither tokens, uniform nor a JSON mapping site -> number"
-            ) from None
-        if not isinstance(spec, dict):
-            raise AggregateError("--weights: a JSON value must be a mapping site -> number")
+    """(source, raw weight per site) from aggregate.weights: tokens (the sites' manifests), uniform, or
+    a mapping site -> number; the Python API of adapters also takes one number per site, in order.
+    Raises `error` (the calling stage's) naming what is wrong."""
     if spec == "uniform":
-        source, raw = "uniform", {site: 1.0 for site in sites}
-    elif spec == "tokens":
+        return "uniform", {site: 1.0 for site in sites}
+    if spec == "tokens":
         missing = [site for site in sites if tokens.get(site) is None]
         if missing:
-            raise AggregateError(
-                f"--weights tokens needs --manifest SITE=PATH for every site; missing: {missing}"
+            raise error(f"weights tokens needs --manifest SITE=PATH for every site; missing: {missing}")
+        return "tokens", _positive({site: tokens[site] for site in sites}, "tokens", error)
+    if isinstance(spec, str):
+        raise error(f"weights: {spec!r} is neither tokens, uniform nor a mapping site -> number")
+    if not isinstance(spec, Mapping):
+        spec = list(spec)
+        if len(spec) != len(sites):
+            raise error(
+                f"weights: {len(spec)} weight(s) {spec} for {len(sites)} adapter(s) {list(sites)}: "
+                "give one per adapter"
             )
-        source, raw = "tokens", {site: tokens[site] for site in sites}
-    else:
-        bad = {s: v for s, v in spec.items() if not isinstance(v, int | float) or isinstance(v, bool)}
-        if bad:
-            raise AggregateError(f"--weights: weights must be numbers; got {bad}")
-        try:
-            check_weights(spec, sites, "--weights")
-        except ConfigError as e:
-            raise AggregateError(str(e)) from None
-        source, raw = "explicit", {site: spec[site] for site in sites}
-    negative = {site: w for site, w in raw.items() if w < 0}
-    if negative:
-        raise AggregateError(f"--weights ({source}): negative weights {negative}")
+        spec = dict(zip(sites, spec, strict=True))
+    bad = {s: v for s, v in spec.items() if not _finite_non_negative(v)}
+    if bad:
+        raise error(f"weights: {bad} are not finite non-negative numbers")
+    try:
+        check_weights(spec, sites, "weights")
+    except ConfigError as e:
+        raise error(str(e)) from None
+    return "explicit", {site: spec[site] for site in sites}
+
+
+def _finite_non_negative(value) -> bool:
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    return number and math.isfinite(value) and value >= 0
+
+
+def _positive(raw: dict[str, float], source: str, error: type[UserError]) -> dict[str, float]:
     if sum(raw.values()) <= 0:
-        raise AggregateError(f"--weights ({source}): the weights sum to zero ({raw})")
-    return source, raw
+        raise error(f"weights ({source}): the weights sum to zero ({raw})")
+    return raw
+
+
+def normalised(raw: Mapping[str, float]) -> dict[str, float]:
+    total = float(sum(raw.values()))
+    return {site: w / total for site, w in raw.items()}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -205,7 +227,7 @@ def plan_state(
 STATE_RECORD = "state.json"
 
 
-def read_server_state(path: Path, optimizer: ServerOptimizer, order: Sequence[OutTensor]):
+def read_server_state(path: Path, optimizer: ServerOptimizerOptions, order: Sequence[OutTensor]):
     """(record, folder or None) of a previous round's server state, checked against this round."""
     path = Path(path)
     record_path = path / STATE_RECORD
@@ -217,14 +239,14 @@ def read_server_state(path: Path, optimizer: ServerOptimizer, order: Sequence[Ou
         raise AggregateError(
             f"--server-state-in: {path} was written by server optimizer {written_by!r}, not {optimizer.name!r}"
         )
-    if not optimizer.slots:
+    if not slots(optimizer):
         return record, None
     folder = read_weights("server state", path, f"the server state {path}")
     problems = []
     for t in order:
         if not t.dtype.is_floating_point:
             continue
-        for slot in optimizer.slots:
+        for slot in slots(optimizer):
             info = folder.tensors.get(f"{slot}.{t.name}")
             if info is None:
                 problems.append(f"{slot}.{t.name} missing")
@@ -272,62 +294,144 @@ def _log(message: str) -> None:
 def aggregate(
     models: Mapping[str, str | Path],
     out_dir: str | Path,
+    options: AggregateOptions | None = None,
     *,
-    method: str = "fedavg",
-    weights: str | Mapping[str, float] = "tokens",
     manifests: Mapping[str, str | Path] | None = None,
-    dtype: str = "auto",
-    max_shard_size: str | int = "5GB",
-    checksums: bool = True,
     start: str | Path | None = None,
-    lam: float = 1.0,
-    density: float = 1.0,
-    seed: int = 0,
-    rescale: str = "l1",
-    server_optimizer: ServerOptimizer | Mapping | None = None,
     server_state_in: str | Path | None = None,
     server_state_out: str | Path | None = None,
+    checksums: bool = True,
 ) -> dict:
-    """Merge the site models `models` (site -> model folder) into `out_dir`; returns aggregate.json.
+    """Merge the site models `models` (site -> model folder) into `out_dir` as `options` say (the
+    aggregate section; its defaults when None); returns aggregate.json.
 
     `start` is the model the round started from: the base of the task vectors and of the server
-    optimizer's step (not read for fedavg with sgd at lr 1, which is the plain weighted mean). The
-    server optimizer's state is read from `server_state_in` (none in the first round) and written to
-    `server_state_out`. Every check (options, weights, compatibility) runs before the first byte is
-    written."""
+    optimizer's step (not read when the method's weighted mean is the result: fedavg with sgd at lr 1).
+    The server optimizer's state is read from `server_state_in` (none in the first round) and written to
+    `server_state_out`. Every check (arguments, weights, compatibility) runs before the first byte is
+    written; the options were checked when they were made."""
     started = time.perf_counter()
-    if method not in METHODS:
-        raise AggregateError(f"--method: {method!r} is not one of {', '.join(METHODS)}")
-    if dtype not in OUTPUT_DTYPES:
-        raise AggregateError(f"--dtype: {dtype!r} is not one of {', '.join(OUTPUT_DTYPES)}")
-    if rescale not in RESCALES:
-        raise AggregateError(f"--rescale: {rescale!r} is not one of {', '.join(RESCALES)}")
-    if not 0 < density <= 1:
-        raise AggregateError(f"--density: {density} is not in (0, 1]")
-    try:
-        optimizer = (
-            server_optimizer
-            if isinstance(server_optimizer, ServerOptimizer)
-            else ServerOptimizer.from_dict(dict(server_optimizer or {}))
+    options = options or AggregateOptions.from_mapping({})
+    method = METHODS[options.method]
+    plain = method.mean and options.server_optimizer.plain
+    _check_arguments(options, models, start, server_state_out, plain)
+    manifests = {site: Path(p) for site, p in (manifests or {}).items()}
+    sites = list(models)
+    tokens = _manifest_tokens(manifests, sites)
+    source, raw = resolve_weights(options.weights, sites, tokens)
+    weights = normalised(raw)
+    shard_limit = parse_size(options.max_shard_size)
+
+    site_models, start_model = _read_models(models, manifests, tokens, None if plain else start)
+    ref = site_models[0]
+    plan = plan_output(ref, options.dtype, shard_limit)
+    order = [t for shard in plan for t in shard]
+    state_record, state_folder = (None, None)
+    if server_state_in is not None:
+        state_record, state_folder = read_server_state(Path(server_state_in), options.server_optimizer, order)
+    round_step = (state_record or {}).get("step", 0) + 1
+    state_plan = plan_state(order, slots(options.server_optimizer), shard_limit)
+    _log(
+        f"{options.method} of {len(sites)} sites ({source} weights "
+        + ", ".join(f"{s}={weights[s]:.4f}" for s in sites)
+        + f"), server optimizer {options.server_optimizer.name} (step {round_step}): "
+        + f"{len(order)} tensors into {len(plan)} shard(s)"
+    )
+    out_dir = Path(out_dir)
+    with contextlib.ExitStack() as outputs:
+        tmp = outputs.enter_context(atomic_dir(out_dir))
+        state_tmp = outputs.enter_context(atomic_dir(Path(server_state_out))) if server_state_out else None
+        extra = [m for m in (start_model, state_folder) if m is not None]
+        merge = _Merge(method, options.parameters, options.server_optimizer, plain)
+        output, state_output, digests = _write_merged(
+            tmp,
+            state_tmp,
+            plan,
+            state_plan,
+            [*site_models, *extra],
+            [weights[s] for s in sites],
+            merge=merge,
+            sites=len(site_models),
+            checksums=checksums,
         )
-        optimizer.check()
-    except (TypeError, ValueError) as e:
-        raise AggregateError(f"--server-optimizer: {e}") from None
-    plain = method == "fedavg" and optimizer.plain
+        _copy_support_files(ref, tmp, options.dtype)
+        inputs = _site_records(site_models, digests, checksums)
+        extra_records = [
+            _input_record(len(site_models) + k, f, digests, checksums) for k, f in enumerate(extra)
+        ]
+        if checksums:
+            _verify_inputs([*inputs, *extra_records], [*site_models, *extra])
+            record_checksums(tmp, {name: f["sha256"] for name, f in output["files"].items()})
+        warnings = _identical_inputs(inputs, site_models) if checksums else []
+        for warning in warnings:
+            _log(f"warning: {warning}")
+        record = {
+            "method": options.method,
+            "weights": {"source": source, "raw": raw, "normalised": weights},
+            "dtype": options.dtype,
+            "max_shard_size": options.max_shard_size,
+            "inputs": inputs,
+            "output": output,
+            "warnings": warnings,
+        }
+        optimizer = options.server_optimizer.to_dict()
+        if not plain:
+            record["parameters"] = options.parameters
+            record["start"] = extra_records[0]
+            record["server_optimizer"] = {**optimizer, "step": round_step}
+        if state_folder is not None:
+            record["server_state_in"] = extra_records[-1]
+        elif server_state_in is not None:
+            record["server_state_in"] = {"model_dir": str(server_state_in)}
+        if state_tmp is not None:
+            state = {"optimizer": optimizer, "step": round_step, "output": state_output}
+            _write_state_record(state_tmp, state, checksums)
+            record["server_state_out"] = {"dir": str(server_state_out), **state}
+        record["wall_time_s"] = round(time.perf_counter() - started, 3)
+        write_json(tmp / "aggregate.json", record)
+    _log(f"done in {record['wall_time_s']:.1f} s: {out_dir}")
+    return record
+
+
+def _read_models(
+    models: Mapping[str, str | Path], manifests: Mapping[str, Path], tokens: Mapping[str, int], start
+) -> tuple[list[SiteModel], SiteModel | None]:
+    """The sites' folders (with their manifests' tokens) and the start model (None: not needed), after
+    checking that they line up."""
+    site_models = [read_site_model(site, Path(path)) for site, path in models.items()]
+    for m in site_models:
+        m.tokens = tokens.get(m.site)
+        m.manifest = manifests.get(m.site)
+    start_model = None if start is None else read_site_model("start", Path(start), f"the start model {start}")
+    check_compatible(site_models, start_model)
+    return site_models, start_model
+
+
+def _verify_inputs(records: Sequence[dict], folders: Sequence[WeightFolder]) -> None:
+    """Inputs were hashed while being read: compare with what their writers recorded, for free."""
+    for entry, m in zip(records, folders, strict=True):
+        verify_checksums(m.path, {name: f["sha256"] for name, f in entry["files"].items()})
+
+
+def _write_state_record(state_dir: Path, state: dict, checksums: bool) -> None:
+    if checksums:
+        record_checksums(state_dir, {n: f["sha256"] for n, f in state["output"]["files"].items()})
+    write_json(state_dir / STATE_RECORD, state)
+
+
+def _check_arguments(options: AggregateOptions, models, start, server_state_out, plain: bool) -> None:
+    """What the options need of the other arguments: a start model unless the result is the plain mean,
+    a state folder for an optimizer that keeps one, distinct site folders."""
+    optimizer = options.server_optimizer
     if not plain and start is None:
         raise AggregateError(
-            f"--start (the model the round started from) is needed for method {method} with server "
+            f"--start (the model the round started from) is needed for method {options.method} with server "
             f"optimizer {optimizer.name} at lr {optimizer.lr}"
         )
-    if optimizer.slots and server_state_out is None:
+    if slots(optimizer) and server_state_out is None:
         raise AggregateError(f"--server-state-out is needed: {optimizer.name} keeps a state between rounds")
     if not models:
         raise AggregateError("no site models given (--model SITE=DIR)")
-    manifests = {site: Path(p) for site, p in (manifests or {}).items()}
-    sites = list(models)
-    unknown = sorted(set(manifests) - set(sites))
-    if unknown:
-        raise AggregateError(f"--manifest given for sites without --model: {unknown}")
     resolved: dict[Path, str] = {}
     for site, path in models.items():
         real = Path(path).resolve()
@@ -335,109 +439,25 @@ def aggregate(
             # The published run once averaged a model with itself; a copy-paste slip must not pass.
             raise AggregateError(f"sites {resolved[real]} and {site} point at the same model folder {path}")
         resolved[real] = site
-    tokens = {site: manifest_tokens(site, path) for site, path in manifests.items()}
-    source, raw = resolve_weights(weights, sites, tokens)
-    total = float(sum(raw.values()))
-    normalised = {site: raw[site] / total for site in sites}
-    shard_limit = parse_size(max_shard_size)
 
-    site_models = [read_site_model(site, Path(models[site])) for site in sites]
-    for m in site_models:
-        m.tokens = tokens.get(m.site)
-        m.manifest = manifests.get(m.site)
-    start_model = None
-    if not plain:
-        start_model = read_site_model("start", Path(start), f"the start model {start}")
-    check_compatible(site_models, start_model)
 
-    ref = site_models[0]
-    plan = plan_output(ref, dtype, shard_limit)
-    order = [t for shard in plan for t in shard]
-    state_record, state_folder = (None, None)
-    if server_state_in is not None:
-        state_record, state_folder = read_server_state(Path(server_state_in), optimizer, order)
-    round_step = (state_record or {}).get("step", 0) + 1
-    state_plan = plan_state(order, optimizer.slots, shard_limit)
-    n_weights = [normalised[m.site] for m in site_models]
-    params = {"lambda": lam, "density": density, "seed": seed, "rescale": rescale}
-    _log(
-        f"{method} of {len(sites)} sites ({source} weights "
-        + ", ".join(f"{s}={normalised[s]:.4f}" for s in sites)
-        + f"), server optimizer {optimizer.name} (step {round_step}): "
-        + f"{len(order)} tensors into {len(plan)} shard(s)"
-    )
-    out_dir = Path(out_dir)
-    with contextlib.ExitStack() as outputs:
-        tmp = outputs.enter_context(atomic_dir(out_dir))
-        state_tmp = outputs.enter_context(atomic_dir(Path(server_state_out))) if server_state_out else None
-        folders = [
-            *site_models,
-            *([start_model] if start_model else []),
-            *([state_folder] if state_folder else []),
-        ]
-        streamed = _write_merged(
-            tmp,
-            state_tmp,
-            plan,
-            state_plan,
-            folders,
-            n_weights,
-            method=method,
-            params=params,
-            optimizer=optimizer,
-            sites=len(site_models),
-            checksums=checksums,
+def _manifest_tokens(manifests: Mapping[str, Path], sites: Sequence[str]) -> dict[str, int]:
+    unknown = sorted(set(manifests) - set(sites))
+    if unknown:
+        raise AggregateError(f"--manifest given for sites without --model: {unknown}")
+    return {site: manifest_tokens(site, path) for site, path in manifests.items()}
+
+
+def _site_records(site_models: Sequence[SiteModel], digests: dict, checksums: bool) -> list[dict]:
+    """aggregate.json's inputs: each site's files (sha256 from the merge's reads) and its manifest."""
+    inputs = []
+    for i, m in enumerate(site_models):
+        entry = _input_record(i, m, digests, checksums)
+        entry.update(
+            {"site": m.site, "manifest": str(m.manifest) if m.manifest else None, "tokens_kept": m.tokens}
         )
-        output, state_output, digests = streamed
-        _copy_support_files(ref, tmp, dtype)
-        inputs = [_input_record(i, m, digests, checksums) for i, m in enumerate(site_models)]
-        for entry, m in zip(inputs, site_models, strict=True):
-            entry.update(
-                {
-                    "site": m.site,
-                    "manifest": str(m.manifest) if m.manifest else None,
-                    "tokens_kept": m.tokens,
-                }
-            )
-        extra = [*([start_model] if start_model else []), *([state_folder] if state_folder else [])]
-        extra_records = [
-            _input_record(len(site_models) + k, f, digests, checksums) for k, f in enumerate(extra)
-        ]
-        if checksums:
-            # Inputs were hashed while being read: compare with what their writers recorded, for free.
-            for entry, m in zip([*inputs, *extra_records], [*site_models, *extra], strict=True):
-                verify_checksums(m.path, {name: f["sha256"] for name, f in entry["files"].items()})
-            record_checksums(tmp, {name: f["sha256"] for name, f in output["files"].items()})
-        warnings = _identical_inputs(inputs, site_models) if checksums else []
-        for warning in warnings:
-            _log(f"warning: {warning}")
-        record = {
-            "method": method,
-            "weights": {"source": source, "raw": raw, "normalised": normalised},
-            "dtype": dtype,
-            "max_shard_size": max_shard_size,
-            "inputs": inputs,
-            "output": output,
-            "warnings": warnings,
-        }
-        if not plain:
-            record["parameters"] = params
-            record["start"] = extra_records[0]
-            record["server_optimizer"] = {**optimizer.as_dict(), "step": round_step}
-        if state_folder is not None:
-            record["server_state_in"] = extra_records[-1]
-        elif server_state_in is not None:
-            record["server_state_in"] = {"model_dir": str(server_state_in)}
-        if state_tmp is not None:
-            state = {"optimizer": optimizer.as_dict(), "step": round_step, "output": state_output}
-            if checksums:
-                record_checksums(state_tmp, {n: f["sha256"] for n, f in state_output["files"].items()})
-            write_json(state_tmp / STATE_RECORD, state)
-            record["server_state_out"] = {"dir": str(server_state_out), **state}
-        record["wall_time_s"] = round(time.perf_counter() - started, 3)
-        write_json(tmp / "aggregate.json", record)
-    _log(f"done in {record['wall_time_s']:.1f} s: {out_dir}")
-    return record
+        inputs.append(entry)
+    return inputs
 
 
 def _input_record(i: int, m: WeightFolder, digests: dict, checksums: bool) -> dict:
@@ -466,6 +486,17 @@ def _identical_inputs(inputs: Sequence[dict], models: Sequence[SiteModel]) -> li
     return warnings
 
 
+@dataclass(frozen=True)
+class _Merge:
+    """What the writer does to each floating tensor: the merge method with its parameters, then the
+    server optimizer's step; `plain`: the result is the sites' weighted mean (no start, no step)."""
+
+    method: MergeMethod
+    parameters: dict
+    optimizer: ServerOptimizerOptions
+    plain: bool
+
+
 def _write_merged(
     out_dir: Path,
     state_dir: Path | None,
@@ -474,9 +505,7 @@ def _write_merged(
     folders: Sequence[WeightFolder],
     weights: Sequence[float],
     *,
-    method: str,
-    params: dict,
-    optimizer: ServerOptimizer,
+    merge: _Merge,
     sites: int,
     checksums: bool,
 ) -> tuple[dict, dict | None, dict[tuple[int, str], str]]:
@@ -485,27 +514,21 @@ def _write_merged(
     weighted mean), then the previous server state (if any). Returns the output's record, the state's
     record and the sha256 of every input file (empty without checksums)."""
     order = [t for shard in plan for t in shard]
-    plain = len(folders) == sites
-    start_i = sites if not plain else None
+    start_i = None if merge.plain else sites
     state_i = sites + 1 if len(folders) > sites + 1 else None
-    slots = optimizer.slots
+    state_slots = slots(merge.optimizer)
     reads = []
     for i in range(len(folders)):
         if i == state_i:
             reads.append(
-                [[f"{s}.{t.name}" for s in slots] if t.dtype.is_floating_point else [] for t in order]
+                [[f"{s}.{t.name}" for s in state_slots] if t.dtype.is_floating_point else [] for t in order]
             )
         else:
             reads.append([[t.name] for t in order])
-    largest = max(t.numel for t in order)
-    fedavg = method == "fedavg"
-    # Elementwise work goes chunk by chunk (merge_methods.CHUNK entries), so that the dozen passes of a
-    # merge and a server step run on cache-resident data and read each input once; only TIES's
-    # selection needs a whole task vector, kept in `task`.
-    chunk = min(largest, CHUNK)
-    acc, scratch, base_f = (torch.empty(chunk) for _ in range(3))
-    task = torch.empty(largest) if method == "ties" else None
-    merge = METHODS[method]
+    # Elementwise work goes chunk by chunk (methods.CHUNK entries), so that the dozen passes of a merge
+    # and a server step run on cache-resident data and read each input once.
+    chunk = min(max(t.numel for t in order), CHUNK)
+    buffers = [torch.empty(chunk) for _ in range(3)]
     with contextlib.ExitStack() as stack:
         # One intra-op thread: the work is a long series of small kernels, each of which would otherwise
         # split over every core and wait for all of them at its end. On a shared machine a busy core
@@ -519,54 +542,31 @@ def _write_merged(
         stack.callback(output.shutdown)
         state = None
         if state_dir is not None and state_plan:
-            state = ShardedOutput(state_dir, state_plan, checksums, metadata={"optimizer": optimizer.name})
+            metadata = {"optimizer": merge.optimizer.name}
+            state = ShardedOutput(state_dir, state_plan, checksums, metadata=metadata)
             stack.callback(state.shutdown)
         shard_started = time.perf_counter()
         for k, tensor in enumerate(order):
             reader.reached(k)
             sources = [reader.get(i, tensor.name) for i in range(sites)]
             slot, result = output.slot(tensor)
-            n = tensor.numel
             if not sources[0].dtype.is_floating_point:
                 _check_identical(tensor.name, sources, [f.site for f in folders[:sites]])
                 result.copy_(sources[0])
-            elif plain:
-                for lo in range(0, n, CHUNK):
-                    hi = min(n, lo + CHUNK)
-                    part = [src[lo:hi] for src in sources]
-                    result[lo:hi].copy_(weighted_mean(part, weights, acc[: hi - lo], scratch[: hi - lo]))
+            elif merge.plain:
+                _mean_into(result, sources, weights, buffers)
             else:
+                old = {s: reader.get(state_i, f"{s}.{tensor.name}") if state_i else None for s in state_slots}
+                taken = {s: state.slot(_state_tensor(s, tensor)) for s in state_slots}
                 base = reader.get(start_i, tensor.name)
-                whole = None
-                if method == "ties":
-                    whole = merge(base, sources, weights, {**params, "name": tensor.name}, task[:n])
-                elif not fedavg:
-                    whole = merge(base, sources, weights, {**params, "name": tensor.name})
-                old = {s: reader.get(state_i, f"{s}.{tensor.name}") if state_i else None for s in slots}
-                taken = {s: state.slot(_state_tensor(s, tensor)) for s in slots}
-                for lo in range(0, n, CHUNK):
-                    hi = min(n, lo + CHUNK)
-                    # fp32 + fp16 rounds the same as fp32 + fp32 of the converted value, but torch's
-                    # mixed-dtype kernels are several times slower: convert once per chunk.
-                    base_part = base_f[: hi - lo].copy_(base[lo:hi])
-                    if fedavg:
-                        part = [src[lo:hi] for src in sources]
-                        delta = merge(base_part, part, weights, params, acc[: hi - lo], scratch[: hi - lo])
-                    else:
-                        delta = whole[lo:hi]
-                    update = step(
-                        optimizer,
-                        delta,
-                        {s: None if o is None else o[lo:hi] for s, o in old.items()},
-                        {s: buf[lo:hi] for s, (_, buf) in taken.items()},
-                    )
-                    result[lo:hi].copy_(update.add_(base_part))
+                new = {s: buf for s, (_, buf) in taken.items()}
+                _step_into(result, merge, tensor.name, base, sources, weights, old, new, buffers[0])
                 for s, (state_slot, _) in taken.items():
                     state.put(_state_tensor(s, tensor), state_slot)
             output.put(tensor, slot)
-            if output.where[tensor.name][1] == len(plan[output.where[tensor.name][0]]) - 1:
-                shard = output.names[output.where[tensor.name][0]]
-                _log(f"shard {shard}: merged in {time.perf_counter() - shard_started:.1f} s")
+            shard, index = output.where[tensor.name]
+            if index == len(plan[shard]) - 1:
+                _log(f"shard {output.names[shard]}: merged in {time.perf_counter() - shard_started:.1f} s")
                 shard_started = time.perf_counter()
         record = output.finish()
         state_record = state.finish() if state is not None else None
@@ -574,6 +574,32 @@ def _write_merged(
             state_record = {"tensors": 0, "parameters": 0, "bytes": 0, "files": {}}
         digests = reader.digests()
     return record, state_record, digests
+
+
+def _mean_into(result: torch.Tensor, sources, weights, buffers) -> None:
+    """The sites' weighted mean, chunk by chunk: the inputs' values bit for bit when they agree."""
+    acc, scratch = buffers[1], buffers[2]
+    for lo, hi in chunks(result.numel()):
+        part = [src[lo:hi] for src in sources]
+        result[lo:hi].copy_(weighted_mean(part, weights, acc[: hi - lo], scratch[: hi - lo]))
+
+
+def _step_into(result, merge: _Merge, name: str, base, sources, weights, old, new, base_buffer) -> None:
+    """start + the server optimizer's update from the merged task vector, chunk by chunk: any method's
+    chunks (methods.chunks) go through the same step. `old`: the previous state's slices by slot (None
+    in the first round); `new`: the buffers the new state is written into."""
+    parts = merge.method.merge(base, sources, weights, {**merge.parameters, "name": name})
+    for (lo, hi), delta in zip(chunks(result.numel()), parts, strict=True):
+        # fp32 + fp16 rounds the same as fp32 + fp32 of the converted value, but torch's mixed-dtype
+        # kernels are several times slower: convert once per chunk.
+        base_part = base_buffer[: hi - lo].copy_(base[lo:hi])
+        update = step(
+            merge.optimizer,
+            delta,
+            {s: None if o is None else o[lo:hi] for s, o in old.items()},
+            {s: buf[lo:hi] for s, buf in new.items()},
+        )
+        result[lo:hi].copy_(update.add_(base_part))
 
 
 def _state_tensor(slot: str, tensor: OutTensor) -> OutTensor:
@@ -590,13 +616,14 @@ def _check_identical(name: str, sources: Sequence[torch.Tensor], sites: Sequence
             )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+@cli.entry(__name__)
+def main(argv: Sequence[str] | None = None) -> None:
     offline.enforce()
-    parser = argparse.ArgumentParser(
-        prog="python -m fedtune.aggregate",
-        description="Merge site models (HF save_pretrained folders with safetensors) into one, streaming.",
+    parser = cli.parser(
+        __name__, "Merge site models (HF save_pretrained folders with safetensors) into one, streaming."
     )
-    parser.add_argument("--out", required=True, help="folder of the merged model (replaced atomically)")
+    cli.add_out(parser, "folder of the merged model (replaced atomically)")
+    cli.add_options(parser, "the aggregate section (with the merged model's dtype)")
     parser.add_argument(
         "--model", nargs="+", action="extend", required=True, metavar="SITE=DIR", help="site model folders"
     )
@@ -606,9 +633,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="extend",
         default=[],
         metavar="SITE=PATH",
-        help="site manifests (data/<site>/manifest.json); needed for --weights tokens",
+        help="site manifests (data/<site>/manifest.json); needed for weights tokens",
     )
-    parser.add_argument("--method", default="fedavg", choices=list(METHODS))
     parser.add_argument(
         "--start",
         default=None,
@@ -616,71 +642,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the model the round started from: base of the task vectors and of the server step"
         " (not needed for fedavg with sgd at lr 1)",
     )
-    parser.add_argument(
-        "--lambda", dest="lam", type=float, default=1.0, help="scale of the merged task vector"
-    )
-    parser.add_argument(
-        "--density", type=float, default=1.0, help="share of each task vector kept (ties, dare_*)"
-    )
-    parser.add_argument("--seed", type=int, default=0, help="seed of DARE's random masks")
-    parser.add_argument(
-        "--rescale",
-        default="l1",
-        choices=list(RESCALES),
-        help="DARE's rescaling of kept entries: l1 (mergekit's) or density (1/density, the DARE paper)",
-    )
-    parser.add_argument(
-        "--server-optimizer",
-        default="{}",
-        help='JSON: {"name": sgd|fedavgm|fedadam|fedyogi|fedadagrad, "lr", "momentum", "betas", "tau"}',
-    )
     parser.add_argument("--server-state-in", default=None, metavar="DIR", help="the previous round's state")
     parser.add_argument(
         "--server-state-out", default=None, metavar="DIR", help="folder of this round's state"
     )
-    parser.add_argument(
-        "--weights",
-        default="tokens",
-        help="tokens (splits.train.tokens_kept of each manifest), uniform, or a JSON mapping site -> number",
-    )
-    parser.add_argument(
-        "--dtype",
-        default="auto",
-        choices=OUTPUT_DTYPES,
-        help="dtype of the merged floating-point tensors (auto: as in the inputs); the mean is taken in fp32",
-    )
-    parser.add_argument("--max-shard-size", default="5GB", help="largest output file, as save_pretrained")
     parser.add_argument("--no-checksums", action="store_true", help="skip the sha256 of inputs and outputs")
     args = parser.parse_args(argv)
-    try:
-        try:
-            server_optimizer = json.loads(args.server_optimizer)
-        except json.JSONDecodeError as e:
-            raise AggregateError(f"--server-optimizer: not valid JSON: {e}") from None
-        if not isinstance(server_optimizer, dict):
-            raise AggregateError("--server-optimizer: must be a JSON object")
-        aggregate(
-            parse_pairs(args.model, "--model"),
-            args.out,
-            method=args.method,
-            weights=args.weights,
-            manifests=parse_pairs(args.manifest, "--manifest"),
-            dtype=args.dtype,
-            max_shard_size=args.max_shard_size,
-            checksums=not args.no_checksums,
-            start=args.start,
-            lam=args.lam,
-            density=args.density,
-            seed=args.seed,
-            rescale=args.rescale,
-            server_optimizer=server_optimizer,
-            server_state_in=args.server_state_in,
-            server_state_out=args.server_state_out,
-        )
-    except UserError as e:
-        print(f"aggregate: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    aggregate(
+        parse_pairs(args.model, "--model"),
+        args.out,
+        AggregateOptions.from_json(args.options),
+        manifests=parse_pairs(args.manifest, "--manifest"),
+        start=args.start,
+        server_state_in=args.server_state_in,
+        server_state_out=args.server_state_out,
+        checksums=not args.no_checksums,
+    )
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
 """Merge methods: small functions over one tensor's values, as mergekit defines them.
 
-A method is `f(base, sites, weights, params) -> task vector`: `base` is the tensor of the model the
-round started from, `sites` the same tensor of every site model (flat, any floating dtype, read-only),
-`weights` the sites' normalised weights (summing to 1), `params` the method's settings (`lambda`,
-`density`, `seed`, `rescale`, and `name`, the tensor's name, which seeds DARE's masks). It returns the
-merged task vector in fp32: merged model = base + task vector. fedtune.aggregate.merge streams the tensors
-through these functions and applies the server optimizer to the task vector (for every method but
-fedavg, the merged task vector plays the role of the round's pseudo-gradient).
+A method is `f(base, sites, weights, params) -> iterator of task-vector chunks`: `base` is the tensor
+of the model the round started from, `sites` the same tensor of every site model (flat, any floating
+dtype, read-only), `weights` the sites' normalised weights (summing to 1), `params` the aggregate options
+the method reads (its registry entry's `parameters`, and `name`, the tensor's name, which seeds DARE's
+masks). It yields the merged task vector in fp32 (merged model = base + task vector) in the chunks of
+`chunks(n)`, each valid until the next is asked for: elementwise methods (fedavg, TIES after its cut)
+never hold a whole task vector. fedtune.aggregate.merge streams every method's chunks the same way
+through the server optimizer (for every method but fedavg, the merged task vector plays the role of the
+round's pseudo-gradient); `task_vector` collects them into one tensor. METHODS is the registry.
 
 The definitions follow mergekit 0.1.5 (mergekit/merge_methods/generalized_task_arithmetic.py, registry.py
 and sparsify.py), with mergekit's per-model `weight` set to the normalised weights:
@@ -31,14 +33,30 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
 Params = Mapping[str, object]
-MergeMethod = Callable[[torch.Tensor, Sequence[torch.Tensor], Sequence[float], Params], torch.Tensor]
+# base, sites, weights, params -> the task vector's chunks, in order (see the module's docstring).
+MergeFunction = Callable[
+    [torch.Tensor, Sequence[torch.Tensor], Sequence[float], Params], Iterator[torch.Tensor]
+]
 
 RESCALES = ("l1", "density")
+
+
+@dataclass(frozen=True)
+class MergeMethod:
+    """One entry of the registry: the name aggregate.method gives it, the aggregate options it reads
+    with their defaults (the schema's), and its function. `mean`: with a plain server step (sgd at lr
+    1) the merged model is the sites' weighted mean, which is computed without the start model."""
+
+    name: str
+    parameters: Mapping[str, object]
+    merge: MergeFunction
+    mean: bool = False
 
 
 def weighted_mean(
@@ -62,38 +80,34 @@ def weighted_mean(
     return acc
 
 
-def fedavg(
-    base: torch.Tensor,
-    sites: Sequence[torch.Tensor],
-    weights: Sequence[float],
-    params: Params,
-    acc: torch.Tensor | None = None,
-    tmp: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The weighted mean's task vector, sum_i w_i (site_i - base) / sum_i w_i, into `acc` if given.
+def fedavg(base, sites, weights, params):
+    """The weighted mean's task vector, sum_i w_i (site_i - base) / sum_i w_i, chunk by chunk.
 
     Each difference is taken before weighting: sites close to the base then lose no precision to
     cancellation, as (mean - base) would."""
     n = base.numel()
-    acc = torch.empty(n) if acc is None else acc
-    tmp = torch.empty(n) if tmp is None else tmp
-    acc.zero_()
+    size = min(n, CHUNK)
+    acc, tmp, base_full = (torch.empty(size) for _ in range(3))
     total = float(sum(weights))
-    for src, weight in zip(sites, weights, strict=True):
-        if weight == 0:
-            continue
-        tmp.copy_(src)
-        tmp.sub_(base)
-        acc.add_(tmp, alpha=weight / total)
-    return acc
+    for start, end in chunks(n):
+        # fp32 - fp16 rounds as fp32 - fp32 of the converted value, but torch's mixed-dtype kernels are
+        # several times slower: convert the base once per chunk.
+        base_f = base_full[: end - start].copy_(base[start:end])
+        mean = acc[: end - start].zero_()
+        for src, weight in zip(sites, weights, strict=True):
+            if weight == 0:
+                continue
+            delta = tmp[: end - start].copy_(src[start:end]).sub_(base_f)
+            mean.add_(delta, alpha=weight / total)
+        yield mean
 
 
 def task_arithmetic(base, sites, weights, params):
-    return _generalized(base, sites, weights, params, sparsify=None, consensus=False, normalize=False)
+    yield from _whole(_generalized(base, sites, weights, params, sparsify=None, consensus=False))
 
 
-def ties(base, sites, weights, params, out=None):
-    """TIES into `out` (fp32, the inputs' length) if given.
+def ties(base, sites, weights, params):
+    """TIES, chunk by chunk.
 
     The arithmetic of mergekit's TIES (see the module's docstring), entry for entry, streamed in
     cache-sized chunks: only the k-th largest magnitude of each task vector needs the whole tensor, and
@@ -102,10 +116,8 @@ def ties(base, sites, weights, params, out=None):
     float ones), which changes no value: multiplying by 0 or 1 is exact, and the sign of a zero left
     by a dropped entry never reaches the result (it is masked out and added to +0)."""
     n = base.numel()
-    out = torch.empty(n) if out is None else out
-    density = float(params.get("density", 1.0))
-    cuts = _magnitude_cuts(base, sites, density)
-    lam = float(params.get("lambda", 1.0))
+    cuts = _magnitude_cuts(base, sites, float(params["density"]))
+    lam = float(params["lambda"])
     weights = [float(w) for w in weights]
     # Every divisor is a sum of weights of the sites agreeing with the elected sign: 0 where none does
     # (and there the numerator is +0), else at least the smallest positive weight. Raising the zeros to
@@ -114,9 +126,10 @@ def ties(base, sites, weights, params, out=None):
     floor = min(positive) if positive and min(weights) >= 0 else None
     size = min(n, CHUNK)
     deltas_full = [torch.empty(size) for _ in sites]
-    base_f_full, total_full, majority_full, mask_full, divisor_full = (torch.empty(size) for _ in range(5))
-    for start in range(0, n, CHUNK):
-        end = min(n, start + CHUNK)
+    base_f_full, total_full, majority_full, mask_full, divisor_full, mixed_full = (
+        torch.empty(size) for _ in range(6)
+    )
+    for start, end in chunks(n):
         size = end - start
         base_f = base_f_full[:size].copy_(base[start:end])
         deltas = []
@@ -129,7 +142,7 @@ def ties(base, sites, weights, params, out=None):
             total.add_(delta)
         # The elected sign: +1 where the weighted sum is >= 0 (a zero sum elects +), else -1.
         majority = torch.ge(total, 0, out=majority_full[:size]).mul_(2).sub_(1)
-        mixed = out[start:end].zero_()
+        mixed = mixed_full[:size].zero_()
         divisor = divisor_full[:size].zero_()
         mask = mask_full[:size]
         for delta, weight in zip(deltas, weights, strict=True):
@@ -144,24 +157,52 @@ def ties(base, sites, weights, params, out=None):
         mixed.div_(divisor)
         if lam != 1:
             mixed.mul_(lam)
-    return out
+        yield mixed
 
 
 def dare_linear(base, sites, weights, params):
-    return _generalized(base, sites, weights, params, sparsify=_bernoulli, consensus=False, normalize=False)
+    yield from _whole(_generalized(base, sites, weights, params, sparsify=_bernoulli, consensus=False))
 
 
 def dare_ties(base, sites, weights, params):
-    return _generalized(base, sites, weights, params, sparsify=_bernoulli, consensus=True, normalize=False)
+    yield from _whole(_generalized(base, sites, weights, params, sparsify=_bernoulli, consensus=True))
 
 
+_DARE = {"lambda": 1.0, "density": 1.0, "seed": 0, "rescale": "l1"}
+
+# The registry: adding a merge method is one function above and one entry here (docs/design.md).
 METHODS: dict[str, MergeMethod] = {
-    "fedavg": fedavg,
-    "task_arithmetic": task_arithmetic,
-    "ties": ties,
-    "dare_linear": dare_linear,
-    "dare_ties": dare_ties,
+    m.name: m
+    for m in (
+        MergeMethod("fedavg", {}, fedavg, mean=True),
+        MergeMethod("task_arithmetic", {"lambda": 1.0}, task_arithmetic),
+        MergeMethod("ties", {"lambda": 1.0, "density": 1.0}, ties),
+        MergeMethod("dare_linear", _DARE, dare_linear),
+        MergeMethod("dare_ties", _DARE, dare_ties),
+    )
 }
+
+
+def chunks(n: int) -> Iterator[tuple[int, int]]:
+    """(start, end) of each chunk of a tensor of n entries: the streaming order of every method."""
+    for start in range(0, n, CHUNK):
+        yield start, min(n, start + CHUNK)
+
+
+def task_vector(method: str, base, sites, weights, params: Params | None = None) -> torch.Tensor:
+    """A method's whole task vector (fp32), with its parameters' defaults for those not in `params`."""
+    entry = METHODS[method]
+    out = torch.empty(base.numel())
+    parts = entry.merge(base, sites, weights, {**entry.parameters, **(params or {})})
+    for (start, end), part in zip(chunks(base.numel()), parts, strict=True):
+        out[start:end].copy_(part)
+    return out
+
+
+def _whole(merged: torch.Tensor) -> Iterator[torch.Tensor]:
+    """A task vector computed whole, handed out chunk by chunk."""
+    for start, end in chunks(merged.numel()):
+        yield merged[start:end]
 
 
 def tensor_seed(seed: int, name: str) -> int:
@@ -170,15 +211,14 @@ def tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def _generalized(base, sites, weights, params, *, sparsify, consensus: bool, normalize: bool):
-    """mergekit's GTATask.merge_group for one tensor, in fp32."""
-    lam = float(params.get("lambda", 1.0))
+def _generalized(base, sites, weights, params, *, sparsify, consensus: bool):
+    """mergekit's GTATask.merge_group for one tensor, in fp32, with normalize=false (mergekit's default
+    for these methods)."""
+    lam = float(params["lambda"])
     base = base.float() if base.dtype != torch.float32 else base
     generator = None
-    if sparsify is _bernoulli and float(params.get("density", 1.0)) < 1:
-        generator = torch.Generator().manual_seed(
-            tensor_seed(int(params.get("seed", 0)), str(params["name"]))
-        )
+    if sparsify is _bernoulli and float(params["density"]) < 1:
+        generator = torch.Generator().manual_seed(tensor_seed(int(params["seed"]), str(params["name"])))
     weighted = []
     for src, weight in zip(sites, weights, strict=True):
         delta = src.float() if src.dtype != torch.float32 else src.clone()
@@ -192,23 +232,15 @@ def _generalized(base, sites, weights, params, *, sparsify, consensus: bool, nor
             total.add_(delta)
         majority = (total >= 0).float().mul_(2).sub_(1)
         del total
+        # normalize=false: the agreeing entries are summed, not divided by their weights.
         mixed = torch.zeros_like(base)
-        divisor = torch.zeros_like(base)
-        for delta, weight in zip(weighted, weights, strict=True):
-            mask = delta.sign() == majority
-            mixed.add_(delta.mul_(mask))
-            divisor.add_(mask, alpha=float(weight))
+        for delta in weighted:
+            mixed.add_(delta.mul_(delta.sign() == majority))
         del majority
-        divisor[divisor == 0] = 1
     else:
         mixed = weighted[0]
         for delta in weighted[1:]:
             mixed.add_(delta)
-        divisor = float(sum(weights))
-        if abs(divisor) < 1e-8:
-            divisor = 1.0
-    if normalize:
-        mixed = mixed.div_(divisor)
     if lam != 1:
         mixed.mul_(lam)
     return mixed
@@ -383,11 +415,11 @@ def _missing(threshold: float, k: int, above: int) -> int:
 
 def _bernoulli(delta: torch.Tensor, params: Params, generator) -> torch.Tensor:
     """Keep each entry with probability `density`; rescale as `rescale` says."""
-    density = float(params.get("density", 1.0))
+    density = float(params["density"])
     if density >= 1:
         return delta
     mask = torch.bernoulli(torch.full_like(delta, density), generator=generator)
-    rescale = params.get("rescale", "l1")
+    rescale = params["rescale"]
     if rescale == "density":
         return delta.mul_(mask).div_(density)
     before = delta.abs().sum()

@@ -16,103 +16,111 @@ them with np.zeros_like in the first round); the paper asks for v_{-1} >= tau^2,
 denominator keeps the first update finite either way. Two other choices of Flower are not copied, so
 that each rule is exactly the paper's: Flower's FedAdam multiplies lr by the bias correction
 sqrt(1 - b2^(t+1)) / (1 - b1^(t+1)), and its FedAdagrad fixes b1 = 0 (set betas: [0, ...] for that).
-The state (m, v) is kept in fp32."""
+The state (m, v) is kept in fp32.
+
+OPTIMIZERS is the registry (name, parameters with their defaults, step, state slots); the options
+(fedtune.core.config.ServerOptimizerOptions) are checked once, against aggregate.schema.yaml, when they
+are made, so nothing here checks them again."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 
-NAMES = ("sgd", "fedavgm", "fedadam", "fedyogi", "fedadagrad")
-SLOTS = {"sgd": (), "fedavgm": ("m",), "fedadam": ("m", "v"), "fedyogi": ("m", "v"), "fedadagrad": ("m", "v")}
+from fedtune.core.config import ServerOptimizerOptions
+
+# step(options, delta, state, out) -> update; see `step` below.
+Step = Callable[[ServerOptimizerOptions, torch.Tensor, dict, dict], torch.Tensor]
 
 
 @dataclass(frozen=True)
 class ServerOptimizer:
-    name: str = "sgd"
-    lr: float = 1.0
-    momentum: float = 0.9
-    betas: tuple[float, float] = (0.9, 0.99)
-    tau: float = 1e-3
+    """One entry of the registry: the name aggregate.server_optimizer.name gives it, the options it
+    reads with their defaults (the schema's), its update rule and the state it keeps per tensor."""
 
-    @classmethod
-    def from_dict(cls, options: dict | None) -> ServerOptimizer:
-        options = dict(options or {})
-        unknown = sorted(set(options) - {"name", "lr", "momentum", "betas", "tau"})
-        if unknown:
-            raise ValueError(f"server optimizer: unknown keys {unknown}")
-        if "betas" in options:
-            options["betas"] = tuple(float(b) for b in options["betas"])
-        optimizer = cls(**options)
-        optimizer.check()
-        return optimizer
+    name: str
+    parameters: Mapping[str, object]
+    step: Step
+    slots: tuple[str, ...] = ()
 
-    def check(self) -> None:
-        if self.name not in NAMES:
-            raise ValueError(f"server optimizer: {self.name!r} is not one of {', '.join(NAMES)}")
-        if not self.lr > 0:
-            raise ValueError(f"server optimizer: lr must be positive, got {self.lr}")
-        if not 0 <= self.momentum < 1:
-            raise ValueError(f"server optimizer: momentum must be in [0, 1), got {self.momentum}")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise ValueError(f"server optimizer: betas must be two numbers in [0, 1), got {list(self.betas)}")
-        if not self.tau > 0:
-            raise ValueError(f"server optimizer: tau must be positive, got {self.tau}")
 
-    @property
-    def slots(self) -> tuple[str, ...]:
-        """Names of the state tensors kept per model tensor."""
-        return SLOTS[self.name]
+def _sgd(options, delta, state, out):
+    return delta.mul_(options.lr)
 
-    @property
-    def plain(self) -> bool:
-        """True when the update is the pseudo-gradient itself (x = start + Delta)."""
-        return self.name == "sgd" and self.lr == 1.0
 
-    def as_dict(self) -> dict:
-        return {
-            "name": self.name,
-            "lr": self.lr,
-            "momentum": self.momentum,
-            "betas": list(self.betas),
-            "tau": self.tau,
-        }
+def _fedavgm(options, delta, state, out):
+    m = out["m"]
+    _decay(m, state.get("m"), options.momentum).add_(delta)
+    return m * options.lr
+
+
+def _fedadam(options, delta, state, out):
+    m = _first_moment(options, delta, state, out)
+    _, b2 = options.betas
+    v = _decay(out["v"], state.get("v"), b2).addcmul_(delta, delta, value=1 - b2)
+    return _adaptive_update(options, m, v, delta)
+
+
+def _fedadagrad(options, delta, state, out):
+    m = _first_moment(options, delta, state, out)
+    v = _copy(out["v"], state.get("v")).addcmul_(delta, delta)
+    return _adaptive_update(options, m, v, delta)
+
+
+def _fedyogi(options, delta, state, out):
+    m = _first_moment(options, delta, state, out)
+    _, b2 = options.betas
+    v = _copy(out["v"], state.get("v"))
+    square = delta.mul_(delta)  # delta is not needed any more
+    v.sub_(square.mul_(torch.sign(v - square)), alpha=1 - b2)
+    return _adaptive_update(options, m, v, delta)
+
+
+_ADAPTIVE = {"lr": 1.0, "betas": (0.9, 0.99), "tau": 1e-3}
+
+# The registry: adding a server optimizer is one step function and one entry here (and in the schema's
+# enum, which a test holds equal to this).
+OPTIMIZERS: dict[str, ServerOptimizer] = {
+    o.name: o
+    for o in (
+        ServerOptimizer("sgd", {"lr": 1.0}, _sgd),
+        ServerOptimizer("fedavgm", {"lr": 1.0, "momentum": 0.9}, _fedavgm, ("m",)),
+        ServerOptimizer("fedadam", _ADAPTIVE, _fedadam, ("m", "v")),
+        ServerOptimizer("fedyogi", _ADAPTIVE, _fedyogi, ("m", "v")),
+        ServerOptimizer("fedadagrad", _ADAPTIVE, _fedadagrad, ("m", "v")),
+    )
+}
+
+
+def slots(options: ServerOptimizerOptions) -> tuple[str, ...]:
+    """Names of the state tensors the configured optimizer keeps per model tensor."""
+    return OPTIMIZERS[options.name].slots
 
 
 def step(
-    optimizer: ServerOptimizer,
+    options: ServerOptimizerOptions,
     delta: torch.Tensor,
     state: dict[str, torch.Tensor | None],
     out: dict[str, torch.Tensor],
 ) -> torch.Tensor:
-    """The update for one tensor, from its pseudo-gradient `delta` (fp32). `state` holds the previous
-    m and v (None in the first round: zeros); the new ones are written into `out` (fp32 buffers of the
-    same length). Returns the update (a new tensor, or `delta` scaled in place for sgd)."""
-    name = optimizer.name
-    if name == "sgd":
-        return delta.mul_(optimizer.lr)
-    m = out["m"]
-    if name == "fedavgm":
-        _decay(m, state.get("m"), optimizer.momentum).add_(delta)
-        return m * optimizer.lr
-    b1, b2 = optimizer.betas
-    _decay(m, state.get("m"), b1).add_(delta, alpha=1 - b1)
-    v_old = state.get("v")
-    v = out["v"]
-    if name == "fedadam":
-        _decay(v, v_old, b2).addcmul_(delta, delta, value=1 - b2)
-    elif name == "fedadagrad":
-        v.zero_() if v_old is None else v.copy_(v_old)
-        v.addcmul_(delta, delta)
-    else:  # fedyogi
-        v.zero_() if v_old is None else v.copy_(v_old)
-        square = delta.mul_(delta)  # delta is not needed any more
-        sign = torch.sign(v - square)
-        v.sub_(square.mul_(sign), alpha=1 - b2)
-    # delta's memory is free now: the update goes there.
-    update = torch.sqrt(v, out=delta).add_(optimizer.tau)
-    return torch.div(m, update, out=update).mul_(optimizer.lr)
+    """The update for one tensor, from its pseudo-gradient `delta` (fp32, overwritten). `state` holds
+    the previous m and v (None in the first round: zeros); the new ones are written into `out` (fp32
+    buffers of the same length). Returns the update (a new tensor, or `delta` reused)."""
+    return OPTIMIZERS[options.name].step(options, delta, state, out)
+
+
+def _first_moment(options, delta, state, out) -> torch.Tensor:
+    """m = b1 m + (1 - b1) delta, into out["m"]."""
+    b1, _ = options.betas
+    return _decay(out["m"], state.get("m"), b1).add_(delta, alpha=1 - b1)
+
+
+def _adaptive_update(options, m: torch.Tensor, v: torch.Tensor, free: torch.Tensor) -> torch.Tensor:
+    """lr * m / (sqrt(v) + tau), written into `free` (delta's memory, not needed any more)."""
+    update = torch.sqrt(v, out=free).add_(options.tau)
+    return torch.div(m, update, out=update).mul_(options.lr)
 
 
 def _decay(out: torch.Tensor, old: torch.Tensor | None, factor: float) -> torch.Tensor:
@@ -120,3 +128,8 @@ def _decay(out: torch.Tensor, old: torch.Tensor | None, factor: float) -> torch.
     if old is None:
         return out.zero_()
     return torch.mul(old, factor, out=out)
+
+
+def _copy(out: torch.Tensor, old: torch.Tensor | None) -> torch.Tensor:
+    """out = old (zeros when there is none)."""
+    return out.zero_() if old is None else out.copy_(old)

@@ -501,6 +501,104 @@ class TokenizeOptions(_Options):
         )
 
 
+# The aggregate stage's options (aggregate.schema.yaml). The merge methods' and server optimizers'
+# names, parameters and defaults are the schema's; fedtune.aggregate.methods and .server_optimizers
+# hold one registry each, which tests/test_aggregate_registries.py keeps equal to the schema.
+
+# dtypes of the merged model's floating tensors: a model dtype, or auto (as the sites store them).
+MERGED_DTYPES = ("auto", *DTYPES)
+
+
+@dataclass(frozen=True)
+class ServerOptimizerOptions(_Options):
+    """aggregate.server_optimizer: how the merged task vector moves the global model."""
+
+    SCHEMA = "aggregate.schema.yaml#/properties/server_optimizer"
+
+    name: str
+    lr: float
+    momentum: float
+    betas: tuple[float, float]
+    tau: float
+
+    @classmethod
+    def from_mapping(
+        cls, data: Mapping, *, source: str = "--options", prefix: str = "aggregate.server_optimizer"
+    ) -> ServerOptimizerOptions:
+        return cls._from_valid(cls._validated(data, source, prefix))
+
+    @classmethod
+    def _from_valid(cls, values: Mapping) -> ServerOptimizerOptions:
+        """From values the schema has checked and filled in already."""
+        return cls(**{**values, "betas": tuple(values["betas"])})
+
+    @property
+    def plain(self) -> bool:
+        """The update is the merged task vector itself (sgd at lr 1): x = start + delta."""
+        return self.name == "sgd" and self.lr == 1.0
+
+
+@dataclass(frozen=True)
+class AggregateOptions(_Options):
+    """The aggregate section, and the dtype the merged model is written in (model.dtype in a run; not a
+    key of the section, so it is checked here rather than by the schema)."""
+
+    SCHEMA = "aggregate.schema.yaml"
+
+    method: str
+    adapter_merge: str
+    lam: float  # `lambda` in the config and the JSON form (a Python keyword)
+    density: float
+    seed: int
+    rescale: str
+    server_optimizer: ServerOptimizerOptions
+    compare: tuple[str, ...]
+    weights: str | dict[str, float]
+    max_shard_size: str
+    dtype: str = "auto"
+
+    @classmethod
+    def from_mapping(
+        cls, data: Mapping, *, source: str = "--options", prefix: str = "aggregate"
+    ) -> AggregateOptions:
+        data = dict(data) if isinstance(data, Mapping) else data
+        dtype = data.pop("dtype", "auto") if isinstance(data, dict) else "auto"
+        if dtype not in MERGED_DTYPES:
+            raise ConfigError(f"{source}: dtype: {dtype!r} is not one of {', '.join(MERGED_DTYPES)}")
+        values = cls._validated(data, source, prefix)
+        values["lam"] = values.pop("lambda")
+        # Checked with the section's schema above, which holds the server optimizer's.
+        values["server_optimizer"] = ServerOptimizerOptions._from_valid(values["server_optimizer"])
+        values["compare"] = tuple(values["compare"])
+        return cls(**values, dtype=dtype)
+
+    def to_dict(self) -> dict:
+        values = {
+            ("lambda" if f.name == "lam" else f.name): getattr(self, f.name) for f in dataclasses.fields(self)
+        }
+        values["server_optimizer"] = self.server_optimizer.to_dict()
+        return json.loads(json.dumps(values))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @property
+    def parameters(self) -> dict:
+        """The merge methods' parameters by their config names (each method reads its own)."""
+        return {"lambda": self.lam, "density": self.density, "seed": self.seed, "rescale": self.rescale}
+
+    def merge_json(self) -> str:
+        """The JSON form one merge reads: without the compared methods, so that adding one to
+        aggregate.compare does not rerun every round's aggregation (Snakemake reruns on params)."""
+        return dataclasses.replace(self, compare=()).to_json()
+
+    def compared_json(self, method: str) -> str:
+        """The JSON form of a compared method (aggregate.compare): the same parameters, no server
+        optimizer."""
+        plain = ServerOptimizerOptions.from_mapping({})
+        return dataclasses.replace(self, method=method, server_optimizer=plain, compare=()).to_json()
+
+
 # ---------------------------------------------------------------------------------------------------
 # Downstream tasks (evaluate.tasks): which entry is a task YAML and which a name of lm-eval's registry.
 # Resolved here, without lm-eval, so that a missing file fails when Snakemake starts; fedtune.evaluate.downstream
@@ -653,7 +751,7 @@ class RunConfig:
     model: dict
     sites: dict[str, Site]
     tokenize: TokenizeOptions
-    aggregate: dict
+    aggregate: AggregateOptions
     evaluate: EvaluateOptions
     downstream: tuple[DownstreamTask, ...]
     rounds: int
@@ -753,7 +851,21 @@ def _pooled_options(config: Mapping, sites: Mapping[str, Site], source: str) -> 
     return dataclasses.replace(base, max_steps=None, epochs=rounds * base.epochs)
 
 
-def _check_adapters(config: Mapping, sites: Mapping[str, Site], source: str) -> None:
+def _aggregate_options(config: Mapping, sites: Mapping[str, Site], source: str) -> AggregateOptions:
+    """The aggregate section as options, with the rules that need the sites: explicit weights name each
+    site once, and adapters federate only through the aggregation that combines them."""
+    aggregate = AggregateOptions.from_mapping(
+        {**config["aggregate"], "dtype": config["model"]["dtype"]}, source=source
+    )
+    if isinstance(aggregate.weights, dict):
+        check_weights(aggregate.weights, list(sites), f"{source}: aggregate.weights")
+    _check_adapters(aggregate, config["federation"], sites, source)
+    return aggregate
+
+
+def _check_adapters(
+    aggregate: AggregateOptions, federation: Mapping, sites: Mapping[str, Site], source: str
+) -> None:
     """Adapters federate only through the aggregation that combines them (aggregate.adapter_merge)."""
     adapted = [name for name, site in sites.items() if site.train.adapter]
     if not adapted:
@@ -764,26 +876,24 @@ def _check_adapters(config: Mapping, sites: Mapping[str, Site], source: str) -> 
             f"{source}: train.adapter: set for {', '.join(adapted)} but not for {', '.join(plain)}; "
             "every site trains an adapter or none does"
         )
-    aggregate, federation = config["aggregate"], config["federation"]
-    server = aggregate["server_optimizer"]
-    if aggregate["method"] != "fedavg":
+    if aggregate.method != "fedavg":
         raise ConfigError(
-            f"{source}: aggregate.method: {aggregate['method']} merges whole task vectors; with "
+            f"{source}: aggregate.method: {aggregate.method} merges whole task vectors; with "
             "train.adapter use fedavg (aggregate.adapter_merge says how the adapters combine)"
         )
-    if server.get("name", "sgd") != "sgd" or server.get("lr", 1.0) != 1.0:
+    if not aggregate.server_optimizer.plain:
         raise ConfigError(
-            f"{source}: aggregate.server_optimizer: {server} needs whole models each round; with "
-            "train.adapter leave it at sgd, lr 1"
+            f"{source}: aggregate.server_optimizer: {aggregate.server_optimizer.to_dict()} needs whole "
+            "models each round; with train.adapter leave it at sgd, lr 1"
         )
-    if aggregate["compare"]:
+    if aggregate.compare:
         raise ConfigError(f"{source}: aggregate.compare: not available with train.adapter")
     if federation["site_optimizer"] == "keep":
         raise ConfigError(
             f"{source}: federation.site_optimizer: keep; with train.adapter every round starts fresh "
             "adapters, which have no optimizer state to keep; use reset"
         )
-    if aggregate["adapter_merge"] == "average_factors":
+    if aggregate.adapter_merge == "average_factors":
         shapes = {name: (site.train.adapter["r"], json.dumps(site.train.adapter["target_modules"]))
                   for name, site in sites.items()}  # fmt: skip
         if len(set(shapes.values())) > 1:
@@ -827,8 +937,6 @@ def build_run_config(config: dict, *, source: str = "config", base_dir: Path | N
             train=site_train_options(config, name, source=source),
             tokenize=tokenize.for_site(site),
         )
-    if isinstance(config["aggregate"]["weights"], dict):
-        check_weights(config["aggregate"]["weights"], list(sites), f"{source}: aggregate.weights")
     check_fits(
         tokenize.block_size,
         model["architecture"],
@@ -853,7 +961,7 @@ def build_run_config(config: dict, *, source: str = "config", base_dir: Path | N
                     f"{source}: federation.site_optimizer: keep needs backend fsdp, but site {site.name} "
                     "trains with deepspeed (whose optimizer also holds the weights)"
                 )
-    _check_adapters(config, sites, source)
+    aggregate = _aggregate_options(config, sites, source)
     evaluate = EvaluateOptions.from_mapping(config["evaluate"], source=source)
     pooled = None
     if federation["pooled_baseline"]:
@@ -873,7 +981,7 @@ def build_run_config(config: dict, *, source: str = "config", base_dir: Path | N
         model=model,
         sites=sites,
         tokenize=tokenize,
-        aggregate=config["aggregate"],
+        aggregate=aggregate,
         evaluate=evaluate,
         downstream=downstream_tasks(evaluate, config["task"], base_dir=base_dir, source=source),
         rounds=federation["rounds"],

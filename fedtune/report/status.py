@@ -56,7 +56,7 @@ def layout_from_config(path: str | Path) -> RunLayout:
         rounds=run.rounds,
         sites=tuple(run.sites),
         report_table="accuracy.csv" if run.classification else "perplexity.csv",
-        merged=("aggregate", *run.aggregate["compare"]),
+        merged=("aggregate", *run.aggregate.compare),
         intermediate=run.evaluate.intermediate,
     )
 

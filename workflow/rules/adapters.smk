@@ -23,11 +23,11 @@ if ADAPTERS and aggregates_here():
         params:
             models=site_model_args,
             manifests=[f"{site}={manifest_path(site)}" for site in SITES],
-            mode=AGGREGATE["adapter_merge"],
-            weights=AGGREGATE_WEIGHTS,
+            # adapter_merge, weights and max_shard_size of the aggregate section.
+            options=RUN.aggregate.merge_json(),
         shell:
-            "python -m fedtune.aggregate.adapters --output {output:q} --mode {params.mode}"
-            " --weights {params.weights:q} --adapters {params.models:q}"
+            "python -m fedtune.aggregate.adapters --out {output:q} --options {params.options:q}"
+            " --adapters {params.models:q}"
             " --manifest {params.manifests:q} > {log:q} 2>&1"
 
 
@@ -50,7 +50,7 @@ if ADAPTERS:
             mem_mb=4000,
             runtime=60,
         params:
-            max_shard_size=AGGREGATE["max_shard_size"],
+            options=RUN.aggregate.merge_json(),
         shell:
             "python -m fedtune.aggregate.adapters --merge {input.adapter:q} --base {input.start:q}"
-            " --output {output:q} --max-shard-size {params.max_shard_size} > {log:q} 2>&1"
+            " --out {output:q} --options {params.options:q} > {log:q} 2>&1"

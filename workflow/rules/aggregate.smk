@@ -2,20 +2,8 @@
 # the sites' task vectors against the round's start model, then the server optimizer.
 
 
-AGGREGATE = config["aggregate"]
-# --weights: tokens, uniform, or the mapping site -> number as JSON.
-AGGREGATE_WEIGHTS = (
-    to_json(AGGREGATE["weights"])
-    if isinstance(AGGREGATE["weights"], dict)
-    else AGGREGATE["weights"]
-)
-# The merge method's settings, the same for the configured method and the compared ones.
-MERGE_ARGS = (
-    f"--lambda {AGGREGATE['lambda']} --density {AGGREGATE['density']}"
-    f" --seed {AGGREGATE['seed']} --rescale {AGGREGATE['rescale']}"
-    f" --weights {shlex.quote(AGGREGATE_WEIGHTS)} --dtype {config['model']['dtype']}"
-    f" --max-shard-size {AGGREGATE['max_shard_size']}"
-)
+# The aggregate section as build_run_config checked it, with the merged models' dtype (model.dtype).
+AGGREGATE = RUN.aggregate
 
 
 # On the other clusters of a multi-cluster federation, fetch_aggregate (transfer.smk) brings it in.
@@ -45,9 +33,7 @@ if aggregates_here() and not ADAPTERS:
         params:
             models=site_model_args,
             manifests=[f"{site}={manifest_path(site)}" for site in SITES],
-            method=AGGREGATE["method"],
-            merge=MERGE_ARGS,
-            server_optimizer=to_json(AGGREGATE["server_optimizer"]),
+            options=AGGREGATE.merge_json(),
             # With tracking on, the merge's record goes to the run's tracker after it is written.
             track=lambda wc, output: (
                 f" && python -m fedtune.core.tracking aggregate --path {output.model}/aggregate.json"
@@ -62,9 +48,8 @@ if aggregates_here() and not ADAPTERS:
                 else ""
             ),
         shell:
-            "python -m fedtune.aggregate --out {output.model:q} --method {params.method}"
-            " --start {input.start:q} {params.merge}"
-            " --server-optimizer {params.server_optimizer:q} {params.state_in}"
+            "python -m fedtune.aggregate --out {output.model:q} --options {params.options:q}"
+            " --start {input.start:q} {params.state_in}"
             " --server-state-out {output.server_state:q}"
             " --model {params.models:q} --manifest {params.manifests:q} > {log:q} 2>&1"
             "{params.track}"
@@ -79,7 +64,7 @@ if aggregates_here() and not ADAPTERS:
         log:
             log_path("aggregate_compare", "round-{round}-{method}"),
         wildcard_constraints:
-            method=one_of(AGGREGATE["compare"]),
+            method=one_of(AGGREGATE.compare),
         conda:
             CONDA_ENV
         container:
@@ -90,8 +75,9 @@ if aggregates_here() and not ADAPTERS:
         params:
             models=site_model_args,
             manifests=[f"{site}={manifest_path(site)}" for site in SITES],
-            merge=MERGE_ARGS,
+            # The compared method with the same parameters, without a server optimizer.
+            options=lambda wc: AGGREGATE.compared_json(wc.method),
         shell:
-            "python -m fedtune.aggregate --out {output:q} --method {wildcards.method}"
-            " --start {input.start:q} {params.merge}"
+            "python -m fedtune.aggregate --out {output:q} --options {params.options:q}"
+            " --start {input.start:q}"
             " --model {params.models:q} --manifest {params.manifests:q} > {log:q} 2>&1"

@@ -271,7 +271,7 @@ def site_model_args(wildcards):
 
 # Evaluate jobs.
 # Merged models of a round: the aggregate and the methods aggregate.compare names.
-MERGED_MODELS = ["aggregate", *RUN.aggregate["compare"]]
+MERGED_MODELS = ["aggregate", *RUN.aggregate.compare]
 EVAL_MODELS = [*SITES, *MERGED_MODELS]
 
 

@@ -1,0 +1,97 @@
+"""One registry each for merge methods and server optimizers: the schema's enums and defaults are the
+registries' names and parameter defaults, and every method streams through the same signature."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+import torch
+
+from fedtune.aggregate import methods, server_optimizers
+from fedtune.core.config import AggregateOptions, ServerOptimizerOptions, schema
+
+AGGREGATE = schema("aggregate.schema.yaml")["properties"]
+SERVER = AGGREGATE["server_optimizer"]["properties"]
+
+
+def test_method_names_are_the_schemas_enum():
+    assert AGGREGATE["method"]["enum"] == list(methods.METHODS)
+    # aggregate.compare names methods through aggregate.method's enum, not a copy of it.
+    assert AGGREGATE["compare"]["items"] == {"$ref": "#/properties/method"}
+    assert AGGREGATE["rescale"]["enum"] == list(methods.RESCALES)
+
+
+def test_method_parameters_are_schema_keys_with_the_schemas_defaults():
+    read = set()
+    for method in methods.METHODS.values():
+        for name, default in method.parameters.items():
+            assert AGGREGATE[name]["default"] == default, (method.name, name)
+        read |= set(method.parameters)
+    # Every method parameter of the section is read by some method, and the options pass them all.
+    assert read == set(AggregateOptions.from_mapping({}).parameters)
+
+
+def test_server_optimizer_names_and_parameters_are_the_schemas():
+    assert SERVER["name"]["enum"] == list(server_optimizers.OPTIMIZERS)
+    read = set()
+    for optimizer in server_optimizers.OPTIMIZERS.values():
+        for name, default in optimizer.parameters.items():
+            expected = SERVER[name]["default"]
+            assert list(default) == expected if isinstance(default, tuple) else default == expected, name
+        read |= set(optimizer.parameters)
+    fields = {f.name for f in dataclasses.fields(ServerOptimizerOptions)}
+    assert read == fields - {"name"} == set(SERVER) - {"name"}
+
+
+def test_every_method_has_the_one_signature_and_streams_in_chunks():
+    g = torch.Generator().manual_seed(0)
+    n = methods.CHUNK + 77  # two chunks, the second partial
+    base = torch.randn(n, generator=g)
+    sites = [base + 0.01 * torch.randn(n, generator=g) for _ in range(2)]
+    for method in methods.METHODS.values():
+        assert list(inspect.signature(method.merge).parameters) == ["base", "sites", "weights", "params"]
+        params = {**method.parameters, "name": "w"}
+        sizes = [part.numel() for part in method.merge(base, sites, [0.5, 0.5], params)]
+        assert sizes == [methods.CHUNK, 77], method.name
+
+
+@pytest.mark.parametrize("name", list(server_optimizers.OPTIMIZERS))
+def test_every_server_optimizer_keeps_the_state_it_names(name):
+    options = ServerOptimizerOptions.from_mapping({"name": name, "lr": 0.5})
+    delta = torch.ones(4)
+    out = {slot: torch.full((4,), float("nan")) for slot in server_optimizers.slots(options)}
+    update = server_optimizers.step(options, delta, dict.fromkeys(out), out)
+    assert torch.isfinite(update).all()
+    assert all(torch.isfinite(state).all() for state in out.values()), "a slot was left unwritten"
+
+
+def test_options_round_trip_through_their_json_form():
+    options = AggregateOptions.from_mapping(
+        {"method": "ties", "lambda": 0.5, "server_optimizer": {"name": "fedadam"}, "weights": {"a": 1}}
+    )
+    assert AggregateOptions.from_json(options.to_json()) == options
+    assert options.to_dict()["lambda"] == 0.5 and options.server_optimizer.betas == (0.9, 0.99)
+    compared = AggregateOptions.from_json(options.compared_json("dare_ties"))
+    assert compared.method == "dare_ties" and compared.server_optimizer.plain and compared.lam == 0.5
+
+
+def test_the_run_config_holds_the_section_as_options_with_the_models_dtype():
+    from fedtune.core.config import ConfigError, build_run_config
+    from tests.workflow_harness import demo_config
+
+    config = demo_config()
+    config["model"]["dtype"] = "bfloat16"
+    config["aggregate"] = {"method": "ties", "weights": {"alpha": 1, "beta": 2}}
+    run = build_run_config(config)
+    assert isinstance(run.aggregate, AggregateOptions) and run.aggregate.dtype == "bfloat16"
+    assert run.aggregate.method == "ties" and run.aggregate.server_optimizer.name == "sgd"
+    config = demo_config()
+    config["aggregate"] = {"weights": {"alpha": 1}}
+    with pytest.raises(
+        ConfigError, match=r"aggregate.weights: must name every site once.*missing: \['beta'\]"
+    ):
+        build_run_config(config)
+    with pytest.raises(ConfigError, match="dtype: 'int8' is not one of auto, float32"):
+        AggregateOptions.from_mapping({"dtype": "int8"})
