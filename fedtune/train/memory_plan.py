@@ -38,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fedtune.core import cli
+from fedtune.core.config import UserError
 
 GiB = 2**30
 # CUDA context (~0.5-1 GB), cuBLAS/NCCL workspaces and the caching allocator's fragmentation: a fixed
@@ -129,11 +130,11 @@ class Setup:
 
     def check(self) -> None:
         if self.mode not in MODES:
-            raise ValueError(f"mode: {self.mode!r} is not one of {MODES}")
+            raise UserError(f"mode: {self.mode!r} is not one of {MODES}")
         if (self.offload_optimizer or self.offload_params) and self.mode not in ZERO_MODES:
-            raise ValueError(f"{self.mode}: offload is a DeepSpeed option (zero2, zero3)")
+            raise UserError(f"{self.mode}: offload is a DeepSpeed option (zero2, zero3)")
         if self.offload_params and self.mode != "zero3":
-            raise ValueError("offload_params needs zero3")
+            raise UserError("offload_params needs zero3")
 
 
 def activations(shape: Shape, setup: Setup) -> int:

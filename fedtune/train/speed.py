@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from fedtune.core.config import ConfigError
+
 
 def decoder_layer_classes(model) -> set[str]:
     # Transformers names the blocks it never splits across devices: exactly the per-layer wrapping unit.
@@ -27,7 +29,10 @@ def decoder_layer_classes(model) -> set[str]:
             for layer in module
         }
     if not names:
-        raise ValueError(f"{type(model).__name__} does not name its layers (_no_split_modules, ModuleList)")
+        raise ConfigError(
+            f"{type(model).__name__} does not name its layers (_no_split_modules, ModuleList): train.compile "
+            "and train.gradient_checkpointing need them; set both to false for this model"
+        )
     return names
 
 
