@@ -34,10 +34,10 @@ def build(config):
 def test_the_lora_examples_are_valid_and_every_site_trains_an_adapter():
     for path in (DEMO_LORA, LLAMA_LORA):
         run = build(yaml.safe_load(path.read_text()))
-        assert all(site.train.adapter["method"] == "lora" for site in run.sites.values()), path
+        assert all(site.train.adapter.method == "lora" for site in run.sites.values()), path
     llama = build(yaml.safe_load(LLAMA_LORA.read_text()))
-    assert llama.sites["it"].train.adapter["r"] == 16
-    assert llama.sites["it"].train.adapter["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert llama.sites["it"].train.adapter.r == 16
+    assert llama.sites["it"].train.adapter.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 @pytest.mark.parametrize(
@@ -70,12 +70,9 @@ def test_adapter_settings_that_cannot_federate_are_refused_by_key(changes, messa
 def test_exact_aggregation_takes_sites_of_different_ranks():
     config = demo_lora(sites__beta__train={"adapter": {"r": 4, "alpha": 4}})
     run = build(config)
-    assert run.sites["alpha"].train.adapter["r"] == 8 and run.sites["beta"].train.adapter["r"] == 4
+    assert run.sites["alpha"].train.adapter.r == 8 and run.sites["beta"].train.adapter.r == 4
     # Overrides merge into the top-level adapter section: beta keeps its target modules.
-    assert (
-        run.sites["beta"].train.adapter["target_modules"]
-        == run.sites["alpha"].train.adapter["target_modules"]
-    )
+    assert run.sites["beta"].train.adapter.target_modules == run.sites["alpha"].train.adapter.target_modules
 
 
 def hub_cache(root: Path, repo: str, config: dict) -> Path:

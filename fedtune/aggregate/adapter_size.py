@@ -313,9 +313,10 @@ def transfer_lines(run, base_dir) -> list[str]:
     lines = []
     for name, site in run.sites.items():
         adapter = site.train.adapter
-        lora = {"r": adapter["r"], "target_modules": adapter["target_modules"]}
-        if adapter["modules_to_save"]:
-            lora["modules_to_save"] = adapter["modules_to_save"]
+        targets = adapter.target_modules
+        lora = {"r": adapter.r, "target_modules": list(targets) if isinstance(targets, tuple) else targets}
+        if adapter.modules_to_save:
+            lora["modules_to_save"] = list(adapter.modules_to_save)
         sizes = transfer_bytes(model_config, lora, adapter_dtype=dtype, model_dtype=dtype)
         lines.append(f"adapters: site {name}: {describe(sizes)} (shapes from {origin})")
     return lines

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fedtune.core.config import CLASSIFICATION, ConfigError, UserError
+from fedtune.core.config import CLASSIFICATION, AdapterOptions, ConfigError, UserError
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -29,28 +29,31 @@ def is_adapter(folder: str | Path) -> bool:
     return (Path(folder) / ADAPTER_CONFIG).is_file()
 
 
-def lora_config(adapter: dict, task: str):
+def lora_config(adapter: AdapterOptions, task: str):
     """peft's LoraConfig of the train.adapter section (fedtune/schemas/train.schema.yaml)."""
     from peft import LoraConfig, TaskType
 
     return LoraConfig(
-        r=adapter["r"],
-        lora_alpha=adapter["alpha"],
-        lora_dropout=adapter["dropout"],
-        target_modules=adapter["target_modules"],
-        modules_to_save=adapter["modules_to_save"],
+        r=adapter.r,
+        lora_alpha=adapter.alpha,
+        lora_dropout=adapter.dropout,
+        # peft takes lists (or a str), and writes them into adapter_config.json.
+        target_modules=list(adapter.target_modules)
+        if isinstance(adapter.target_modules, tuple)
+        else adapter.target_modules,
+        modules_to_save=None if adapter.modules_to_save is None else list(adapter.modules_to_save),
         # SEQ_CLS also trains and saves the new classification head (peft adds it to modules_to_save).
         task_type=TaskType.SEQ_CLS if task == CLASSIFICATION else TaskType.CAUSAL_LM,
     )
 
 
-def check_quantize(adapter: dict, device) -> None:
+def check_quantize(adapter: AdapterOptions, device) -> None:
     """QLoRA's 4-bit base runs on bitsandbytes' CUDA kernels only: refused before the model loads."""
-    if adapter["quantize"] == "none":
+    if not adapter.quantized:
         return
     if device.type != "cuda":
         raise ConfigError(
-            f"train.adapter.quantize: {adapter['quantize']} (QLoRA) needs a CUDA device; this job runs on "
+            f"train.adapter.quantize: {adapter.quantize} (QLoRA) needs a CUDA device; this job runs on "
             f"{device.type}. Use quantize: none here"
         )
     try:
@@ -84,7 +87,7 @@ def load_quantized(model_dir, *, task: str, device, allow_pickle: bool = False):
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
 
-def wrap(model, adapter: dict, task: str):
+def wrap(model, adapter: AdapterOptions, task: str):
     """The model with a fresh LoRA adapter: only the adapter (and modules_to_save) requires grad. The
     adapter's A matrices are drawn from torch's generator, so ranks seeded alike build the same one."""
     from peft import get_peft_model

@@ -249,14 +249,20 @@ def check_global_batch(global_batch: int, micro_batch: int, world_size: int, whe
 # Typed options
 
 
+def _plain(value):
+    """An options object as JSON values (nested options objects included)."""
+    if isinstance(value, _Options):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    return value
+
+
 class _Options:
     """The JSON form shared by the options objects: the rule -> CLI boundary."""
 
     SCHEMA: str = ""
 
     def to_json(self) -> str:
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return json.dumps(values, separators=(",", ":"))
+        return json.dumps(_plain(self), separators=(",", ":"))
 
     def to_dict(self) -> dict:
         """The JSON form as plain values (lists, not tuples), as the config file writes them."""
@@ -274,6 +280,37 @@ class _Options:
 
 
 @dataclass(frozen=True)
+class AdapterOptions(_Options):
+    """train.adapter: the LoRA adapter (peft) each site trains on a frozen base, as train.schema.yaml
+    validated it (a part of TrainOptions: its JSON form is TrainOptions')."""
+
+    method: str
+    r: int
+    alpha: float
+    dropout: float
+    target_modules: str | tuple[str, ...] | None  # a str is peft's "all-linear" or a regular expression
+    modules_to_save: tuple[str, ...] | None
+    quantize: str
+
+    @classmethod
+    def from_valid(cls, values: Mapping) -> AdapterOptions:
+        """From the train schema's validated adapter section (defaults filled in)."""
+        targets, save = values["target_modules"], values["modules_to_save"]
+        return cls(
+            **{
+                **values,
+                "target_modules": tuple(targets) if isinstance(targets, list) else targets,
+                "modules_to_save": None if save is None else tuple(save),
+            }
+        )
+
+    @property
+    def quantized(self) -> bool:
+        """QLoRA: a 4-bit base (bitsandbytes)."""
+        return self.quantize != "none"
+
+
+@dataclass(frozen=True)
 class TrainOptions(_Options):
     """How one site trains: train.schema.yaml, after the cross-key rules (see `check`)."""
 
@@ -286,7 +323,7 @@ class TrainOptions(_Options):
     offload_params: bool
     deepspeed_extra: dict
     precision: str
-    adapter: dict | None
+    adapter: AdapterOptions | None
     gradient_checkpointing: bool | int
     compile: bool
     micro_batch: int
@@ -319,11 +356,21 @@ class TrainOptions(_Options):
 
     @classmethod
     def from_mapping(cls, data: Mapping, *, source: str = "--options", prefix: str = "") -> TrainOptions:
-        values = cls._validated(data, source, prefix)
-        values["betas"] = tuple(values["betas"])
-        options = cls(**values)
+        options = cls.from_valid(cls._validated(data, source, prefix))
         options.check(f"{source}: {prefix + '.' if prefix else ''}")
         return options
+
+    @classmethod
+    def from_valid(cls, values: Mapping) -> TrainOptions:
+        """From a section the train schema has validated (before the cross-key rules of `check`)."""
+        adapter = values["adapter"]
+        return cls(
+            **{
+                **values,
+                "betas": tuple(values["betas"]),
+                "adapter": None if adapter is None else AdapterOptions.from_valid(adapter),
+            }
+        )
 
     def check(self, where: str) -> None:
         """The rules between keys; `where` prefixes the key named in the error ("file: sites.x.train.")."""
@@ -344,17 +391,17 @@ class TrainOptions(_Options):
             raise ConfigError(f"{where}compile: needs backend fsdp (FSDP2 or DDP), not deepspeed")
         if self.deepspeed_extra and not deepspeed:
             raise ConfigError(f"{where}deepspeed_extra: given, but backend is {self.backend}")
-        if self.adapter and self.adapter["quantize"] != "none":
+        if self.adapter and self.adapter.quantized:
             if self.device == "cpu":
                 raise ConfigError(
-                    f"{where}adapter.quantize: {self.adapter['quantize']} (QLoRA, bitsandbytes) needs a CUDA "
+                    f"{where}adapter.quantize: {self.adapter.quantize} (QLoRA, bitsandbytes) needs a CUDA "
                     "device, but device is cpu; use quantize: none"
                 )
             # A 4-bit base is a replica per GPU: sharding it would need bitsandbytes' quant storage under
             # FSDP or ZeRO-3, which fedtune does not set up.
             if not (self.fsdp and self.sharding == "none"):
                 raise ConfigError(
-                    f"{where}adapter.quantize: {self.adapter['quantize']} needs backend fsdp with sharding none "
+                    f"{where}adapter.quantize: {self.adapter.quantize} needs backend fsdp with sharding none "
                     "(plain data parallel over a 4-bit base on every GPU)"
                 )
         # Set by scripts/clusters/iris.sh: V100s have no bf16, and emulating it would be slow and silent.
@@ -819,8 +866,7 @@ def _sweep_points(config: Mapping, site: str, base: TrainOptions, source: str) -
         else:
             values = {**base.to_dict(), axis: value}
         validate_section(values, TrainOptions.SCHEMA, source=source, prefix=f"sweep.values[{i}]")
-        values["betas"] = tuple(values["betas"])
-        options = TrainOptions(**values)
+        options = TrainOptions.from_valid(values)
         options.check(f"{where} ({axis} {value!r}): ")
         label = sweep_label(axis, value)
         if label in points:
@@ -894,7 +940,7 @@ def _check_adapters(
             "adapters, which have no optimizer state to keep; use reset"
         )
     if aggregate.adapter_merge == "average_factors":
-        shapes = {name: (site.train.adapter["r"], json.dumps(site.train.adapter["target_modules"]))
+        shapes = {name: (site.train.adapter.r, json.dumps(site.train.adapter.target_modules))
                   for name, site in sites.items()}  # fmt: skip
         if len(set(shapes.values())) > 1:
             listed = ", ".join(f"{n} r={r} targets={t}" for n, (r, t) in shapes.items())

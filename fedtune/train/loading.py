@@ -87,7 +87,7 @@ def _load_backend(
     if zero_init(options):
         return _load_zero3(model_dir, options, job, accumulation, task=task, allow_pickle=allow_pickle)
     if not loads_once(options, model_dir, allow_pickle):
-        if options.adapter and options.adapter["quantize"] == "4bit":
+        if options.adapter and options.adapter.quantized:
             from fedtune.core import adapters
 
             model = adapters.load_quantized(

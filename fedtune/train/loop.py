@@ -187,7 +187,7 @@ def run_identity(options: TrainOptions, plan: RoundPlan, init: Path, blocks: Blo
         "block_size": blocks.block_size,
         # DeepSpeed's checkpoints are per rank; FSDP's (torch.distributed.checkpoint) reshard on load.
         "world_size": world_size if options.backend == "deepspeed" else None,
-        "adapter": options.adapter,
+        "adapter": options.to_dict()["adapter"],
     }
 
 
