@@ -42,7 +42,7 @@ from fedtune.aggregate.merge import (
     resolve_weights,
 )
 from fedtune.aggregate.model_compat import CONFIG_FILE, COPIED_FILES
-from fedtune.core import cli, offline
+from fedtune.core import cli
 from fedtune.core.atomic import atomic_dir, write_json
 from fedtune.core.checksums import sha256_file
 from fedtune.core.config import MERGED_DTYPES, AggregateOptions, torch_dtype
@@ -775,11 +775,11 @@ def _adapter_arg(item: str) -> tuple[str, str]:
     return item, item
 
 
-@cli.entry(__name__)
+@cli.entry("fedtune.aggregate.adapters", offline=True)
 def main(argv: Sequence[str] | None = None) -> None:
-    offline.enforce()
     parser = cli.parser(
-        __name__, "Aggregate the sites' PEFT LoRA adapters into one adapter (and optionally a full model)."
+        "fedtune.aggregate.adapters",
+        "Aggregate the sites' PEFT LoRA adapters into one adapter (and optionally a full model).",
     )
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--adapters", nargs="+", metavar="[SITE=]DIR", help="PEFT adapter folders to aggregate")

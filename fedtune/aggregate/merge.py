@@ -31,7 +31,7 @@ import torch
 from fedtune.aggregate.methods import CHUNK, METHODS, MergeMethod, chunks, weighted_mean
 from fedtune.aggregate.model_compat import CONFIG_FILE, COPIED_FILES, compatibility_problems
 from fedtune.aggregate.server_optimizers import slots, step
-from fedtune.core import cli, offline
+from fedtune.core import cli
 from fedtune.core.atomic import atomic_dir, write_json
 from fedtune.core.checksums import sha256_file
 from fedtune.core.config import (
@@ -616,24 +616,17 @@ def _check_identical(name: str, sources: Sequence[torch.Tensor], sites: Sequence
             )
 
 
-@cli.entry(__name__)
+@cli.entry("fedtune.aggregate.merge", offline=True)
 def main(argv: Sequence[str] | None = None) -> None:
-    offline.enforce()
-    parser = cli.parser(
-        __name__, "Merge site models (HF save_pretrained folders with safetensors) into one, streaming."
-    )
+    parser = cli.parser("fedtune.aggregate.merge", __doc__.split("\n\n")[0])
     cli.add_out(parser, "folder of the merged model (replaced atomically)")
     cli.add_options(parser, "the aggregate section (with the merged model's dtype)")
-    parser.add_argument(
-        "--model", nargs="+", action="extend", required=True, metavar="SITE=DIR", help="site model folders"
-    )
-    parser.add_argument(
+    cli.add_list(parser, "--model", "SITE=DIR", "site model folders", required=True)
+    cli.add_list(
+        parser,
         "--manifest",
-        nargs="+",
-        action="extend",
-        default=[],
-        metavar="SITE=PATH",
-        help="site manifests (data/<site>/manifest.json); needed for weights tokens",
+        "SITE=PATH",
+        "site manifests (data/<site>/manifest.json); needed for weights tokens",
     )
     parser.add_argument(
         "--start",

@@ -40,6 +40,13 @@ STAGE_MAINS = {
 }
 
 
+def subcommands(module: str, doc: str | None) -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
+    """The parser of a command with subcommands (`python -m fedtune.download data|model|tasks`); the
+    chosen one is `args.what`."""
+    parser_ = parser(module, doc)
+    return parser_, parser_.add_subparsers(dest="what", required=True)
+
+
 def command_name(module: str) -> str:
     """`fedtune.train.loop` runs as `fedtune.train` (its package's __main__); others by their module."""
     package, _, name = module.rpartition(".")
@@ -50,19 +57,34 @@ def add_out(parser: argparse.ArgumentParser, help: str, **kwargs) -> None:
     parser.add_argument("--out", required=True, help=help, **kwargs)
 
 
+def add_list(
+    parser: argparse.ArgumentParser, option: str, metavar: str, help: str, *, required=False
+) -> None:
+    """An option taking one or more values, repeatable (`--eval a b --eval c`)."""
+    parser.add_argument(
+        option, nargs="+", action="extend", required=required, default=[], metavar=metavar, help=help
+    )
+
+
 def add_options(parser: argparse.ArgumentParser, what: str, **kwargs) -> None:
     """--options: the stage's settings as one JSON object (the config's section as build_run_config
     checked it), turned back into the same typed object by the stage with `<Options>.from_json`."""
     parser.add_argument("--options", required=True, help=f"{what} as one JSON object", **kwargs)
 
 
-def entry(module: str) -> Callable:
-    """Decorates a stage's `main(argv) -> int | None`: user errors become one line and exit code 2."""
+def entry(module: str, *, offline: bool = False) -> Callable:
+    """Decorates a stage's `main(argv) -> int | None`: user errors become one line and exit code 2.
+    `offline`: a compute-node stage, which never opens a connection (fedtune.core.offline), set before
+    anything imports Hugging Face."""
     name = command_name(module)
 
     def wrap(main: Callable) -> Callable:
         @functools.wraps(main)
         def run(argv=None) -> int:
+            if offline:
+                from fedtune.core.offline import enforce
+
+                enforce()
             try:
                 return main(argv) or 0
             except UserError as error:

@@ -244,8 +244,7 @@ def _download_measure(spec: dict):
 
 @cli.entry("fedtune.download.fetch")
 def main(argv=None) -> int:
-    parser = cli.parser("fedtune.download.fetch", __doc__)
-    sub = parser.add_subparsers(dest="what", required=True)
+    parser, sub = cli.subcommands("fedtune.download.fetch", __doc__)
     data = sub.add_parser("data", help="a site's train and test splits, saved with save_to_disk")
     data.add_argument("--spec", required=True, help="the site's dataset section as JSON")
     data.add_argument("--num-labels", type=int, default=None, help="classification: check the labels")

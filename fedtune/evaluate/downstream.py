@@ -35,7 +35,7 @@ from pathlib import Path
 
 import yaml
 
-from fedtune.core import cli, offline
+from fedtune.core import cli
 from fedtune.core.atomic import atomic_dir, write_json, write_text
 from fedtune.core.config import UserError, check_downstream_installed, downstream_task, resolve_path
 
@@ -341,9 +341,8 @@ def to_csv(
     return buffer.getvalue()
 
 
-@cli.entry("fedtune.evaluate.downstream")
+@cli.entry("fedtune.evaluate.downstream", offline=True)
 def main(argv: Sequence[str] | None = None) -> int:
-    offline.enforce()
     parser = cli.parser(
         "fedtune.evaluate.downstream",
         __doc__.split("\n\n")[0],

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedtune.core import adapters, cli, offline, tracking
+from fedtune.core import adapters, cli, tracking
 from fedtune.core.accelerators import check_device
 from fedtune.core.atomic import write_json
 from fedtune.core.config import (
@@ -413,9 +413,8 @@ def _tracking_options(args) -> dict | None:
     return options
 
 
-@cli.entry("fedtune.evaluate.scores")
+@cli.entry("fedtune.evaluate.scores", offline=True)
 def main(argv: Sequence[str] | None = None) -> int:
-    offline.enforce()
     parser = cli.parser(
         "fedtune.evaluate.scores", "Perplexity and bits per byte of one model on one site's raw test split."
     )

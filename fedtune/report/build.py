@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from fedtune.core import cli, offline
+from fedtune.core import cli
 from fedtune.core.atomic import write_text
 from fedtune.core.config import CAUSAL_LM, CLASSIFICATION, UserError
 
@@ -612,40 +612,16 @@ def _settings(path: str | None) -> dict | None:
     return settings
 
 
-@cli.entry("fedtune.report.build")
+@cli.entry("fedtune.report.build", offline=True)
 def main(argv: Sequence[str] | None = None) -> int:
-    offline.enforce()
-    parser = cli.parser(
-        "fedtune.report.build",
-        "Tables and figures of a run: perplexity per model and site, training summary, loss.",
-    )
+    parser = cli.parser("fedtune.report.build", __doc__.split("\n\n")[0])
     cli.add_out(parser, "report folder")
-    parser.add_argument(
-        "--eval", nargs="+", action="extend", required=True, metavar="JSON", help="evaluate results"
-    )
-    parser.add_argument(
-        "--training",
-        nargs="+",
-        action="extend",
-        default=[],
-        metavar="ROUND:SITE=JSON",
-        help="training.json of each site model",
-    )
-    parser.add_argument(
-        "--loss",
-        nargs="+",
-        action="extend",
-        default=[],
-        metavar="ROUND:SITE=CSV",
-        help="loss.csv of each site model",
-    )
+    cli.add_list(parser, "--eval", "JSON", "evaluate results", required=True)
+    cli.add_list(parser, "--training", "ROUND:SITE=JSON", "training.json of each site model")
+    cli.add_list(parser, "--loss", "ROUND:SITE=CSV", "loss.csv of each site model")
     parser.add_argument("--settings", metavar="JSON", help="a JSON file of the run's config (with defaults)")
-    parser.add_argument(
-        "--tasks", nargs="+", action="extend", default=[], metavar="CSV", help="downstream task scores"
-    )
-    parser.add_argument(
-        "--task-names", nargs="+", action="extend", default=[], metavar="TASK", help="one table per task"
-    )
+    cli.add_list(parser, "--tasks", "CSV", "downstream task scores")
+    cli.add_list(parser, "--task-names", "TASK", "one table per task")
     args = parser.parse_args(argv)
     training = [parse_labelled(item, "--training") for item in args.training]
     losses = [parse_labelled(item, "--loss") for item in args.loss]

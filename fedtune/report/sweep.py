@@ -28,7 +28,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from fedtune.core import cli, offline
+from fedtune.core import cli
 from fedtune.core.atomic import write_bytes, write_text
 from fedtune.core.config import DEVICES_AXIS, UserError
 from fedtune.report.build import markdown
@@ -246,17 +246,13 @@ def write_report(out_dir: str | Path, folders: Sequence[str | Path], axis: str) 
     return paths
 
 
-@cli.entry("fedtune.report.sweep")
+@cli.entry("fedtune.report.sweep", offline=True)
 def main(argv: Sequence[str] | None = None) -> int:
-    offline.enforce()
-    parser = cli.parser("fedtune.report.sweep", __doc__.split("\n\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser, commands = cli.subcommands("fedtune.report.sweep", __doc__.split("\n\n")[0])
     report = commands.add_parser("report", help="sweep.csv, sweep.md and sweep.png from the sweep's runs")
     cli.add_out(report, "report folder", type=Path)
     report.add_argument("--axis", required=True, help="the sweep axis: devices or a train key")
-    report.add_argument(
-        "--run", nargs="+", action="extend", required=True, metavar="FOLDER", help="sweep job outputs"
-    )
+    cli.add_list(report, "--run", "FOLDER", "sweep job outputs", required=True)
     args = parser.parse_args(argv)
     paths = write_report(args.out, args.run, args.axis)
     print(paths["md"].read_text(encoding="utf-8"), file=sys.stderr)

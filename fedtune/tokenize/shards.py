@@ -374,8 +374,7 @@ def write_manifest(shard_dirs: list[str | Path], out: str | Path) -> dict:
 
 @cli.entry("fedtune.tokenize.shards")
 def main(argv=None) -> int:
-    parser = cli.parser("fedtune.tokenize.shards", __doc__)
-    sub = parser.add_subparsers(dest="what", required=True)
+    parser, sub = cli.subcommands("fedtune.tokenize.shards", __doc__)
     shard = sub.add_parser("shard", help="tokenize one shard of one split")
     shard.add_argument("--raw", required=True, help="the site's raw DatasetDict (download data)")
     shard.add_argument("--split", required=True)

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fedtune.core import adapters, cli, offline, tracking
+from fedtune.core import adapters, cli, tracking
 from fedtune.core.atomic import atomic_dir, write_json, write_text
 from fedtune.core.config import CAUSAL_LM, CLASSIFICATION, ConfigError, TrainOptions
 from fedtune.core.models import load_model, load_tokenizer, save_model
@@ -491,9 +491,8 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-@cli.entry("fedtune.train.loop")
+@cli.entry("fedtune.train.loop", offline=True)
 def main(argv=None) -> int:
-    offline.enforce()
     args = parse_args(argv)
     if not 1 <= args.round <= args.rounds:
         raise ConfigError(f"--round: {args.round} is not in 1..{args.rounds} (--rounds)")
