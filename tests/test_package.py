@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -28,9 +29,14 @@ print(json.dumps({"file": fedtune.__file__, "backend": run.sites["a"].train.back
 
 
 def test_the_wheel_ships_its_schemas_and_validates_a_config(tmp_path):
+    # Built from a copy: setuptools writes build/ and *.egg-info beside the sources.
+    source = tmp_path / "source"
+    shutil.copytree(ROOT / "fedtune", source / "fedtune", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
     wheels = tmp_path / "wheels"
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", wheels, ROOT],
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", wheels, source],
         check=True, cwd=tmp_path,
     )  # fmt: skip
     (wheel,) = wheels.glob("fedtune-*.whl")
