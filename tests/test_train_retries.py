@@ -16,7 +16,6 @@ from .workflow_harness import ROOT, demo_config, write_config
 def workflow_rules(workdir, exec_mode) -> dict:
     """{rule name: rule} of the workflow parsed in exec_mode."""
     from snakemake.api import SnakemakeApi
-    from snakemake_interface_executor_plugins.settings import ExecMode
     from snakemake.settings.types import (
         ConfigSettings,
         OutputSettings,
@@ -24,6 +23,7 @@ def workflow_rules(workdir, exec_mode) -> dict:
         StorageSettings,
         WorkflowSettings,
     )
+    from snakemake_interface_executor_plugins.settings import ExecMode
 
     with SnakemakeApi(OutputSettings(quiet=True)) as api:
         workflow = api.workflow(
