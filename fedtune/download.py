@@ -216,18 +216,11 @@ def download_model(
             models.save_model(model, tokenizer, tmp)
             record.update(name=str(name), revision=revision, num_labels=spec["num_labels"])
         else:
-            model = models.load_causal_lm(
-                spec["name"],
-                dtype=spec["dtype"],
-                allow_pickle=spec["allow_pickle"],
-                trust_remote_code=spec["trust_remote_code"],
-                revision=spec["revision"],
-            )
-            tokenizer = models.load_tokenizer(
-                spec["name"], trust_remote_code=spec["trust_remote_code"], revision=spec["revision"]
-            )
-            models.save_model(model, tokenizer, tmp)
-            record.update(name=spec["name"], revision=spec["revision"])
+            # Files, not a loaded model: this runs on login nodes (fedtune/hub_model.py).
+            from fedtune import hub_model
+
+            fetched = hub_model.fetch(spec, tmp)
+            record.update(name=spec["name"], revision=spec["revision"], **fetched)
         write_json(tmp / "fedtune-source.json", record)
     print(f"saved the {source} model to {out}")
 
@@ -255,7 +248,7 @@ def main(argv=None) -> int:
     data.add_argument("--spec", required=True, help="the site's dataset section as JSON")
     data.add_argument("--num-labels", type=int, default=None, help="classification: check the labels")
     data.add_argument("--out", required=True)
-    model = sub.add_parser("model", help="the base model and tokenizer, saved with save_pretrained")
+    model = sub.add_parser("model", help="the base model and tokenizer (a hub model: its files)")
     model.add_argument("--spec", required=True, help="the model section as JSON")
     model.add_argument(
         "--corpora",
