@@ -20,7 +20,7 @@ from snakemake_executor_plugin_slurm.submit_string import get_submit_command
 from snakemake_executor_plugin_slurm.utils import set_gres_string
 from snakemake_executor_plugin_slurm.validation import validate_slurm_extra
 
-from .workflow_harness import ROOT, PlannedJob, demo_config, planned_jobs, snakemake, write_config
+from .workflow_harness import ROOT, VENV_BIN, PlannedJob, demo_config, planned_jobs, snakemake, write_config
 
 CLUSTERS = {
     # cluster: CPU partition (tokenize), GPU partition (train, evaluate), GPUs and cores per node, the
@@ -451,3 +451,29 @@ def test_karolina_charges_no_whole_node_for_a_small_job(account, tmp_path):
     assert {"aggregate", "aggregate_compare", "aggregate_adapters", "merge_adapter"} <= seen, seen
     small = profile_settings("karolina")["set-resources"]["aggregate"]
     assert small["slurm_partition"] == "qgpu" and small["gres"] == "gpu:1" and small["cpus_per_task"] <= 16
+
+
+def test_jobs_other_than_training_keep_their_caches_on_the_clusters_scratch(tmp_path):
+    """download_data run for cluster leonardo (its profile's `cluster`, on this machine): the datasets
+    cache lands under $SCRATCH/fedtune/hf-home (scripts/clusters/leonardo.sh, sourced by every job's
+    shell), none under $HOME."""
+    config = demo_config()
+    for site in config["sites"].values():
+        site["cluster"] = "leonardo"
+    write_config(tmp_path, config)
+    home, scratch = tmp_path / "home", tmp_path / "scratch"
+    home.mkdir()
+    scratch.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "FEDTUNE_", "TORCH_EXTENSIONS"))}
+    env.update(HOME=str(home), SCRATCH=str(scratch), PATH=f"{VENV_BIN}:{env['PATH']}")
+    result = subprocess.run(
+        [
+            f"{VENV_BIN}/snakemake", "--snakefile", str(ROOT / "Snakefile"), "--directory", str(tmp_path),
+            "--configfile", str(tmp_path / "config.yaml"), "--profile", str(ROOT / "profiles" / "local"),
+            "--config", "cluster=leonardo", "--cores", "1", "results/demo/data/alpha/raw",
+        ],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (scratch / "fedtune" / "hf-home" / "datasets").is_dir(), list(scratch.rglob("*"))[:20]
+    assert not (home / ".cache" / "huggingface").exists(), list(home.rglob("*"))[:20]
