@@ -9,6 +9,7 @@ fedtune.train, so a training rule added later is checked without naming it here.
 from __future__ import annotations
 
 import pytest
+import yaml
 
 from .workflow_harness import ROOT, demo_config, write_config
 
@@ -69,3 +70,15 @@ def test_training_rules_are_retried_only_by_the_main_snakemake(every_training_ru
             f"rule {name}: retries {job[name]._restart_times} in the job's own Snakemake would restart "
             "training inside its dying allocation; write `retries: 0 if workflow.remote_exec else ...`"
         )
+
+
+def test_iris_jobs_get_the_conda_env_with_the_cuda_12_6_torch(every_training_rule, tmp_path):
+    config = yaml.safe_load((every_training_rule / "config.yaml").read_text())
+    config["cluster"] = "iris"
+    for site in config["sites"].values():
+        site["cluster"] = "iris"
+    write_config(tmp_path, config)
+    for workdir, env in ((every_training_rule, "envs/fedtune.yaml"), (tmp_path, "envs/fedtune-cu126.yaml")):
+        rules = workflow_rules(workdir, "DEFAULT")
+        assert str(rules["train"].conda_env).endswith(env), rules["train"].conda_env
+        assert str(rules["tokenize"].conda_env).endswith(env), rules["tokenize"].conda_env

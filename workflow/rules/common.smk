@@ -424,3 +424,7 @@ def eval_task_args(site):
 CLUSTER_ENV = Path(workflow.basedir) / "scripts" / "clusters" / f"{HERE}.sh"
 if HERE is not None and CLUSTER_ENV.is_file():
     shell.prefix(f"set +u; source {shlex.quote(str(CLUSTER_ENV))}; set -u; ")
+
+# The conda environment's torch build per cluster (envs/README.md): Iris's V100s need the CUDA 12.6 build.
+if HERE == "iris":
+    CONDA_ENV = "../../envs/fedtune-cu126.yaml"
