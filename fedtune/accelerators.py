@@ -54,15 +54,18 @@ MIN_DRIVER = {12: "525.60.13", 13: "580.65.06"}
 
 
 def _driver_cuda_version() -> int:
-    """The CUDA version the installed NVIDIA driver supports (cuDriverGetVersion: 12040 is 12.4), or 0
-    when there is no driver or the torch build cannot ask (a CPU build)."""
-    import torch
+    """The CUDA version the installed NVIDIA driver supports (the driver API's cuDriverGetVersion, from
+    libcuda.so.1, which the driver installs: 12040 is 12.4), or 0 when there is no driver."""
+    import ctypes
 
-    query = getattr(torch._C, "_cuda_getDriverVersion", None)
     try:
-        return int(query()) if query else 0
-    except (RuntimeError, TypeError):
+        libcuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
         return 0
+    version = ctypes.c_int(0)
+    if libcuda.cuDriverGetVersion(ctypes.byref(version)) != 0:
+        return 0
+    return version.value
 
 
 def _driver_name() -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedtune import distributed, evaluate
+from fedtune import accelerators, distributed, evaluate
 from fedtune.accelerators import UnsupportedDeviceError, check_device
 
 # What the default torch 2.13 wheel (CUDA 13.0) reports: no sm_70.
@@ -100,7 +100,7 @@ def test_a_driver_too_old_for_the_build_is_refused_naming_both(monkeypatch, buil
     """CUDA 13.0 wheels need a driver of CUDA 13 (>= 580.65.06), 12.6 wheels one of CUDA 12 (>= 525.60.13):
     checked at start on any device, since torch sees no GPU under a driver too old for it."""
     monkeypatch.setattr(torch.version, "cuda", built)
-    monkeypatch.setattr(torch._C, "_cuda_getDriverVersion", lambda: driver, raising=False)
+    monkeypatch.setattr(accelerators, "_driver_cuda_version", lambda: driver)
     if not refused:
         check_device("cpu")
         return
@@ -115,16 +115,16 @@ def test_a_driver_too_old_for_the_build_is_refused_naming_both(monkeypatch, buil
 
 def test_a_cpu_build_or_a_node_without_driver_is_not_checked(monkeypatch):
     monkeypatch.setattr(torch.version, "cuda", None)
-    monkeypatch.setattr(torch._C, "_cuda_getDriverVersion", lambda: 12040, raising=False)
+    monkeypatch.setattr(accelerators, "_driver_cuda_version", lambda: 12040)
     check_device("cpu")
     monkeypatch.setattr(torch.version, "cuda", "13.0")
-    monkeypatch.setattr(torch._C, "_cuda_getDriverVersion", lambda: 0, raising=False)
+    monkeypatch.setattr(accelerators, "_driver_cuda_version", lambda: 0)
     check_device("cpu")
 
 
 def test_train_stops_at_start_under_a_driver_too_old_instead_of_training_on_the_cpu(monkeypatch):
     monkeypatch.setattr(torch.version, "cuda", "13.0")
-    monkeypatch.setattr(torch._C, "_cuda_getDriverVersion", lambda: 12040, raising=False)
+    monkeypatch.setattr(accelerators, "_driver_cuda_version", lambda: 12040)
     with pytest.raises(distributed.LaunchError, match="needs a driver >= 580.65.06"):
         distributed.pick_device("auto", 0)
 
