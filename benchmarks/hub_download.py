@@ -30,7 +30,7 @@ REPO, SMALL, REVISION = "bench/llama-134m", "bench/llama-small", "a" * 40
 def build(folder: Path, layers: int = 12, vocab: int = 32000) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fedtune.models import save_model, train_tokenizer
+    from fedtune.core.models import save_model, train_tokenizer
 
     texts = [
         line for path in sorted((ROOT / "data").rglob("*.jsonl")) for line in path.read_text().splitlines()
@@ -105,7 +105,7 @@ def main() -> int:
         }
     # What the stage did before: load the model in model.dtype and save it again.
     before = (
-        "from fedtune.models import load_causal_lm, load_tokenizer, save_model; "
+        "from fedtune.core.models import load_causal_lm, load_tokenizer, save_model; "
         f"save_model(load_causal_lm({str(models[REPO][0])!r}, dtype='bfloat16'), "
         f"load_tokenizer({str(models[REPO][0])!r}), {str(work / 'before')!r})"
     )
