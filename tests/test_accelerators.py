@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fedtune.core import accelerators
 from fedtune.core.accelerators import UnsupportedDeviceError, check_device
 from fedtune.evaluate import scores as evaluate
 from fedtune.train import distributed
@@ -91,3 +92,59 @@ def test_evaluate_refuses_the_gpu_with_exit_2_before_loading_the_model(fake_gpu,
     assert code == 2
     assert "sm_70" in capsys.readouterr().err
     assert not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("built", "driver", "refused"),
+    [("13.0", 12040, True), ("13.0", 13000, False), ("12.6", 12020, False), ("12.6", 11080, True)],
+)
+def test_a_driver_too_old_for_the_build_is_refused_naming_both(monkeypatch, built, driver, refused):
+    """CUDA 13.0 wheels need a driver of CUDA 13 (>= 580.65.06), 12.6 wheels one of CUDA 12 (>= 525.60.13):
+    checked at start on any device, since torch sees no GPU under a driver too old for it."""
+    monkeypatch.setattr(torch.version, "cuda", built)
+    monkeypatch.setattr(accelerators, "_driver_cuda_version", lambda: driver)
+    if not refused:
+        check_device("cpu")
+        return
+    with pytest.raises(UnsupportedDeviceError) as error:
+        check_device("cpu")
+    message = str(error.value)
+    need = {"13.0": "580.65.06", "12.6": "525.60.13"}[built]
+    assert f"supports CUDA {driver // 1000}.{driver % 1000 // 10}" in message, message
+    assert f"built for CUDA {built}, which needs a driver >= {need}" in message, message
+    assert "FEDTUNE_CLUSTER" in message, message
+
+
+def test_a_cpu_build_or_a_node_without_driver_is_not_checked(monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(accelerators, "_driver_cuda_version", lambda: 12040)
+    check_device("cpu")
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(accelerators, "_driver_cuda_version", lambda: 0)
+    check_device("cpu")
+
+
+def test_train_stops_at_start_under_a_driver_too_old_instead_of_training_on_the_cpu(monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(accelerators, "_driver_cuda_version", lambda: 12040)
+    with pytest.raises(distributed.LaunchError, match="needs a driver >= 580.65.06"):
+        distributed.pick_device("auto", 0)
+
+
+@pytest.mark.parametrize(
+    ("cluster", "index"),
+    [("iris", "https://download.pytorch.org/whl/cu126"), ("leonardo", None), ("karolina", None), ("", None)],
+)
+def test_setup_env_installs_the_torch_build_of_each_cluster(cluster, index):
+    """The same torch version everywhere; the CUDA 12.6 build (sm_70 kernels) on Iris only."""
+    import os
+    import subprocess
+
+    from .workflow_harness import ROOT
+
+    result = subprocess.run(
+        [str(ROOT / "scripts" / "setup-env"), "--print-torch"],
+        env={**os.environ, "FEDTUNE_CLUSTER": cluster}, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["torch==2.13.0", *(["--index-url", index] if index else [])]

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 from datasets import load_from_disk
 
-from fedtune.core.config import ConfigError
+from fedtune.core.config import ConfigError, UserError
 from fedtune.core.models import ModelError, load_causal_lm, load_tokenizer
 from fedtune.download.fetch import DataError, download_data, download_model
 
@@ -135,13 +137,68 @@ def test_local_model_is_validated_and_copied(tiny_model_dir, tmp_path):
     assert load_causal_lm(out).config.num_hidden_layers == 2
 
 
-def test_hf_model_branch_loads_and_saves_in_the_configured_dtype(tiny_model_dir, tmp_path):
+def hub_cache(root: Path, model_dir: Path, repo: str, revision: str) -> Path:
+    """A Hugging Face hub cache holding model_dir's files as `repo` at commit `revision` (with refs/main
+    pointing there): the layout huggingface_hub reads offline."""
+    repo_dir = root / f"models--{repo.replace('/', '--')}"
+    snapshot = repo_dir / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    for path in model_dir.iterdir():
+        shutil.copy(path, snapshot / path.name)
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text(revision)
+    return root
+
+
+@pytest.fixture
+def offline_hub(tiny_model_dir, tmp_path, monkeypatch):
+    """The tiny model as the hub model fedtune-test/tiny at a pinned commit, served offline from a local
+    cache; instantiating any transformers model meanwhile fails the test."""
+    import huggingface_hub.constants
+    import transformers.modeling_utils
+
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    cache = hub_cache(tmp_path / "hub", tiny_model_dir, "fedtune-test/tiny", revision)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+    def no_model(self, *args, **kwargs):
+        raise AssertionError(f"the download instantiated {type(self).__name__}")
+
+    monkeypatch.setattr(transformers.modeling_utils.PreTrainedModel, "__init__", no_model)
+    return revision
+
+
+def test_hf_model_is_fetched_as_files_without_loading_it(offline_hub, tiny_model_dir, tmp_path, monkeypatch):
+    """model.source hf on a login node: the safetensors, config and tokenizer files of the pinned revision,
+    checked by their headers, never a model in memory; the dtype is converted where they are loaded."""
     out = tmp_path / "base"
-    download_model({"source": "hf", "name": str(tiny_model_dir), "dtype": "bfloat16"}, out)
+    spec = {"source": "hf", "name": "fedtune-test/tiny", "revision": offline_hub, "dtype": "bfloat16"}
+    download_model(spec, out)
+    assert (out / "model.safetensors").read_bytes() == (tiny_model_dir / "model.safetensors").read_bytes()
+    assert {"config.json", "tokenizer.json", "fedtune-checksums.json"} <= {p.name for p in out.iterdir()}
+    record = json.loads((out / "fedtune-source.json").read_text())
+    assert record["name"] == "fedtune-test/tiny" and record["revision"] == offline_hub, record
+    assert record["snapshot"] == offline_hub and record["checkpoint_dtypes"] == {"F32": 21}, record
+    monkeypatch.undo()  # models may be built again
     import torch
 
-    assert next(load_causal_lm(out).parameters()).dtype == torch.bfloat16
-    assert json.loads((out / "fedtune-source.json").read_text())["name"] == str(tiny_model_dir)
+    assert next(load_causal_lm(out, dtype="bfloat16").parameters()).dtype == torch.bfloat16
+    assert next(load_causal_lm(out).parameters()).dtype == torch.float32
+
+
+def test_a_truncated_hub_download_is_refused_by_name(offline_hub, tmp_path):
+    import huggingface_hub.constants
+
+    snapshot = (
+        Path(huggingface_hub.constants.HF_HUB_CACHE) / "models--fedtune-test--tiny/snapshots" / offline_hub
+    )
+    weights = snapshot / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    spec = {"source": "hf", "name": "fedtune-test/tiny", "revision": offline_hub}
+    with pytest.raises(UserError, match=r"fedtune-test/tiny@0123.*model.safetensors is \d+ bytes.*truncated"):
+        download_model(spec, tmp_path / "base")
+    assert not (tmp_path / "base").exists()
 
 
 def test_pickle_only_model_is_refused_unless_allowed(tmp_path):

@@ -57,3 +57,19 @@ def test_apptainer_definition_takes_the_torch_build_as_a_build_argument():
     for cluster in ("Leonardo", "Karolina", "MeluXina", "Iris"):
         assert re.search(rf"^\| {cluster} \|", readme, re.M), cluster
     assert "whl/cu126" in readme and "sm_70" in readme
+
+
+def test_iris_conda_env_is_the_same_but_for_the_cuda_12_6_torch():
+    """envs/fedtune-cu126.yaml: the same pins, torch from PyTorch's CUDA 12.6 index (V100 kernels)."""
+    iris = yaml.safe_load((ROOT / "envs" / "fedtune-cu126.yaml").read_text())
+    (default_pip,) = [item["pip"] for item in conda_env()["dependencies"] if isinstance(item, dict)]
+    (iris_pip,) = [item["pip"] for item in iris["dependencies"] if isinstance(item, dict)]
+    assert "--extra-index-url https://download.pytorch.org/whl/cu126" in iris_pip
+    expected = [
+        pin.replace("torch==2.13.0", "torch==2.13.0+cu126") if pin.startswith("torch==") else pin
+        for pin in default_pip
+    ]
+    assert sorted(p for p in iris_pip if not p.startswith("--")) == sorted(expected)
+    assert [d for d in iris["dependencies"] if not isinstance(d, dict)] == [
+        d for d in conda_env()["dependencies"] if not isinstance(d, dict)
+    ]

@@ -20,7 +20,7 @@ from snakemake_executor_plugin_slurm.submit_string import get_submit_command
 from snakemake_executor_plugin_slurm.utils import set_gres_string
 from snakemake_executor_plugin_slurm.validation import validate_slurm_extra
 
-from .workflow_harness import ROOT, PlannedJob, demo_config, planned_jobs, snakemake, write_config
+from .workflow_harness import ROOT, VENV_BIN, PlannedJob, demo_config, planned_jobs, snakemake, write_config
 
 CLUSTERS = {
     # cluster: CPU partition (tokenize), GPU partition (train, evaluate), GPUs and cores per node, the
@@ -410,3 +410,70 @@ def test_cluster_file_sets_the_time_limit_lead_and_container_gpu(cluster, tmp_pa
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == (["60", "none"] if cluster == "slurm-local" else ["300", "nv"])
+
+
+# Karolina's partitions that allocate (and charge) whole 128-core nodes (docs.it4i.cz,
+# resources-allocation-policy): qcpu and its variants but the express queue.
+WHOLE_NODE_PARTITIONS = {"qcpu", "qcpu_biz", "qcpu_free", "qcpu_long", "qcpu_preempt"}
+
+
+def test_karolina_charges_no_whole_node_for_a_small_job(account, tmp_path):
+    """Every Karolina job that needs at most 16 cores either shares a node job with others (the tokenize
+    group) or runs where nodes are allocated by part (qgpu eighths): never alone on a whole qcpu node.
+    Every job of the demo with compared merge methods and of demo-lora, planned by a dry run."""
+    configs = {
+        "demo": demo_config(),
+        "lora": yaml.safe_load((ROOT / "config/examples/demo-lora.yaml").read_text()),
+    }
+    for site in configs["lora"]["sites"].values():
+        files = site["dataset"]["data_files"]
+        files.update({split: str(ROOT / path) for split, path in files.items()})
+    configs["demo"]["aggregate"]["compare"] = ["ties"]
+    configs["demo"]["federation"] = {**configs["demo"].get("federation", {}), "pooled_baseline": True}
+    seen = set()
+    for name, config in configs.items():
+        workdir = tmp_path / name
+        workdir.mkdir()
+        for site in config["sites"].values():
+            site["cluster"] = "karolina"
+        write_config(workdir, config)
+        result = snakemake(workdir, "-n", "--forceall", profile="karolina", timeout=300)
+        groups = profile_settings("karolina")["groups"]
+        for job in planned_jobs(result.stdout):
+            if job.name in local_rules("karolina") or job.name in groups:
+                continue
+            options = sbatch_options(job)
+            cpus = int(job.resources.get("cpus_per_task", 1)) * int(job.resources.get("tasks", 1) or 1)
+            partition = re.search(r" -p (\S+)", options).group(1)
+            seen.add(job.name)
+            if cpus <= 16:
+                assert partition not in WHOLE_NODE_PARTITIONS, (name, job.name, options)
+    assert {"aggregate", "aggregate_compare", "aggregate_adapters", "merge_adapter"} <= seen, seen
+    small = profile_settings("karolina")["set-resources"]["aggregate"]
+    assert small["slurm_partition"] == "qgpu" and small["gres"] == "gpu:1" and small["cpus_per_task"] <= 16
+
+
+def test_jobs_other_than_training_keep_their_caches_on_the_clusters_scratch(tmp_path):
+    """download_data run for cluster leonardo (its profile's `cluster`, on this machine): the datasets
+    cache lands under $SCRATCH/fedtune/hf-home (scripts/clusters/leonardo.sh, sourced by every job's
+    shell), none under $HOME."""
+    config = demo_config()
+    for site in config["sites"].values():
+        site["cluster"] = "leonardo"
+    write_config(tmp_path, config)
+    home, scratch = tmp_path / "home", tmp_path / "scratch"
+    home.mkdir()
+    scratch.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "FEDTUNE_", "TORCH_EXTENSIONS"))}
+    env.update(HOME=str(home), SCRATCH=str(scratch), PATH=f"{VENV_BIN}:{env['PATH']}")
+    result = subprocess.run(
+        [
+            f"{VENV_BIN}/snakemake", "--snakefile", str(ROOT / "Snakefile"), "--directory", str(tmp_path),
+            "--configfile", str(tmp_path / "config.yaml"), "--profile", str(ROOT / "profiles" / "local"),
+            "--config", "cluster=leonardo", "--cores", "1", "results/demo/data/alpha/raw",
+        ],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (scratch / "fedtune" / "hf-home" / "datasets").is_dir(), list(scratch.rglob("*"))[:20]
+    assert not (home / ".cache" / "huggingface").exists(), list(home.rglob("*"))[:20]

@@ -228,7 +228,8 @@ def test_time_limit_checkpoints_exits_75_and_resumes_in_a_new_job(demo_run, slur
     time limit comes within a minute (scripts/clusters/slurm-local.sh: FEDTUNE_SIGNAL_BEFORE=60), the
     launcher sends SIGUSR1; training checkpoints and exits 75; the job fails without restarting training
     in its allocation; Snakemake's retry resumes from the checkpoint in a new job; and the model equals an
-    uninterrupted run's."""
+    uninterrupted run's. This is the path where Slurm refuses the requeue (FEDTUNE_REQUEUE=0 here); the
+    requeue itself: test_time_limit_stops_requeue_the_job_and_use_no_retries."""
     source, config, _ = demo_run
     config = copy.deepcopy(config)
     config["train"].update(max_steps=LIMIT_STEPS, warmup_steps=1, checkpoint_every=0, log_every=10)
@@ -258,7 +259,7 @@ def test_time_limit_checkpoints_exits_75_and_resumes_in_a_new_job(demo_run, slur
     # minutes, whose limit is 10 minutes) within a poll, however fast this machine trains.
     limited = _popen_snakemake(
         workdir, *targets, "--retries", "2", "--allowed-rules", "train", profile="slurm-local",
-        FEDTUNE_SIGNAL_POLL="5", FEDTUNE_SIGNAL_BEFORE="130",
+        FEDTUNE_SIGNAL_POLL="5", FEDTUNE_SIGNAL_BEFORE="130", FEDTUNE_REQUEUE="0",
     )  # fmt: skip
     local = _popen_snakemake(runs["reference"], *targets, "--allowed-rules", "train", profile="local")
     first_jobs, first_logs, deadline = {}, {}, time.monotonic() + 600
@@ -318,6 +319,134 @@ def test_time_limit_checkpoints_exits_75_and_resumes_in_a_new_job(demo_run, slur
     # On the mpi path the training step itself (scripts/launch's srun) ended with 75.
     steps = slurm_cluster.run("sacct", "-n", "-P", "-j", first_jobs["alpha"], "-o", "JobID,ExitCode").stdout
     assert f"{first_jobs['alpha']}.0|75:0" in steps.split(), steps
+
+
+# A stand-in training process for the slices test: it starts a slice, waits for the launcher's SIGUSR1,
+# "checkpoints" (one more finished slice in NAME.slices) and exits 75 (with the launcher's marker, as
+# fedtune.train does), until NAME has had STOPS slices; then it finishes (writes NAME.done), or, with
+# `crash`, fails as a real error would (exit 3, no marker).
+SLICED_TRAINER = """
+import os, pathlib, signal, sys, time
+
+name, stops, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+signalled = []
+signal.signal(signal.SIGUSR1, lambda *_: signalled.append(1))
+state = pathlib.Path(name + ".slices")
+done = int(state.read_text()) if state.exists() else 0
+rank = int(os.environ.get("RANK", "0"))
+print(f"{name}: rank {rank} on {os.environ.get('SLURMD_NODENAME')}, slice {done + 1}", flush=True)
+if done >= stops:
+    if mode == "crash":
+        print(f"{name}: rank {rank} crashed", flush=True)
+        sys.exit(3)
+    if rank == 0:
+        pathlib.Path(name + ".done").write_text("trained")
+    sys.exit(0)
+deadline = time.monotonic() + 120
+while not signalled and time.monotonic() < deadline:
+    time.sleep(0.1)
+print(f"{name}: rank {rank} received SIGUSR1: checkpoint, exit 75", flush=True)
+if rank == 0:
+    state.write_text(str(done + 1))
+pathlib.Path(os.environ["FEDTUNE_RETRY_MARKER"]).touch()
+sys.exit(75)
+"""
+
+# `long` needs six slices (five time-limit stops) on two nodes through the torchrun launcher (the mpi job
+# path); `crash` stops once, then crashes, through the local launcher (the one-task path). Both rules
+# say `retries: 1` the way the training rules do (0 inside the job).
+SLICES_SNAKEFILE = """
+LAUNCH = "{launch}"
+
+rule all:
+    input: "long.done", "crash.done"
+
+rule long:
+    output: "long.done"
+    retries: 0 if workflow.remote_exec else 1
+    resources: nodes=2, tasks=2, mpi="srun", cpus_per_task=1, mem_mb=500, runtime=10
+    shell:
+        "{{LAUNCH}} --cluster slurm-local --launcher torchrun --nodes 2 --procs-per-node 1"
+        " -- python trainer.py long 5 finish >> long.log 2>&1"
+
+rule crash:
+    output: "crash.done"
+    retries: 0 if workflow.remote_exec else 1
+    resources: cpus_per_task=1, mem_mb=500, runtime=10
+    shell:
+        "{{LAUNCH}} --cluster slurm-local --launcher local -- python trainer.py crash 1 crash >> crash.log 2>&1"
+"""
+
+
+def test_time_limit_stops_requeue_the_job_and_use_no_retries(slurm_cluster, tmp_path):
+    """Five time-limit stops (exit 75) of one training with `retries: 1`: each time scripts/launch requeues
+    its Slurm job, which runs again under the same id and goes on from the checkpoint, and the training
+    finishes, its retries untouched. A real crash after a stop still fails, and after its one retry
+    (a new Slurm job) the run stops. The signal goes through torchrun on two nodes (the mpi path) and
+    through the local launcher (the one-task path). The launcher signals about 15 s into each slice
+    (FEDTUNE_SIGNAL_BEFORE 585 s of a 10-minute limit; a signal in srun's first instant would kill srun
+    before it forwards anything, exit 138); Slurm holds a requeued job about two minutes, which the
+    test cuts short (`scontrol update StartTime=now`)."""
+    (tmp_path / "trainer.py").write_text(SLICED_TRAINER)
+    (tmp_path / "Snakefile").write_text(SLICES_SNAKEFILE.format(launch=ROOT / "scripts" / "launch"))
+    env = dict(
+        slurm_cluster.env(), FEDTUNE_SIGNAL_BEFORE="585", FEDTUNE_SIGNAL_REPEAT="1",
+        TMPDIR=str(tmp_path),
+    )  # fmt: skip
+    command = [
+        f"{VENV_BIN}/snakemake", "--profile", str(ROOT / "profiles" / "slurm-local"), "--keep-going",
+    ]  # fmt: skip
+    # Jobs of an earlier session in the same folder (a reused --basetemp) are not this run's.
+    earlier = {job["JobID"] for job in slurm_cluster.jobs(workdir=tmp_path)}
+    with open(tmp_path / "snakemake.out", "w") as out:
+        run = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
+    deadline, held = time.monotonic() + 300, {}
+    try:
+        while run.poll() is None and time.monotonic() < deadline:
+            for row in slurm_cluster.run("squeue", "-h", "-t", "PD", "-o", "%i|%r|%Z").stdout.split():
+                job_id, reason, workdir = row.split("|")
+                if reason != "BeginTime" or workdir != str(tmp_path):
+                    continue
+                # Not at once: slurmd refuses a start in the second of the requeue ("Job credential
+                # revoked") and the job fails.
+                if time.monotonic() - held.setdefault(job_id, time.monotonic()) > 3:
+                    slurm_cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
+                    del held[job_id]
+            time.sleep(1)
+        run.wait(timeout=max(1, deadline - time.monotonic()))
+    finally:
+        if run.poll() is None:
+            run.kill()
+    output = (tmp_path / "snakemake.out").read_text()
+    assert run.returncode != 0, output[-3000:]  # the crash
+    assert (tmp_path / "long.done").read_text() == "trained", output[-3000:]
+    assert "Error in rule crash" in output and "Error in rule long" not in output, output[-3000:]
+    jobs = [job for job in slurm_cluster.jobs(workdir=tmp_path) if job["JobID"] not in earlier]
+    # sacct --duplicates: one record per run of a job id.
+    records = slurm_cluster.run(
+        "sacct", "-X", "-n", "-P", "-D", "-j", ",".join(job["JobID"] for job in jobs), "-o", "JobID,Comment,State"
+    ).stdout.split()  # fmt: skip
+    runs = {}
+    for record in records:
+        job_id, comment, state = record.split("|")
+        runs.setdefault(comment.removeprefix("rule_").split("_")[0], {}).setdefault(job_id, []).append(state)
+    # long: one Slurm job, run six times: five requeued after a time-limit stop, then completed.
+    (long_runs,) = runs["long"].values()
+    assert long_runs == ["REQUEUED"] * 5 + ["COMPLETED"], runs
+    # crash: its first job requeued once and then failed (the crash); one retry (a second job), failed.
+    first, second = (runs["crash"][job_id] for job_id in sorted(runs["crash"], key=int))
+    assert first == ["REQUEUED", "FAILED"] and second == ["FAILED"], runs
+    log = (tmp_path / "long.log").read_text()
+    for slice_ in range(1, 7):
+        # Each slice ran on both nodes, one rank each (torchrun's rendezvous numbers them either way).
+        ranks = re.findall(rf"long: rank (\d) on (n\d), slice {slice_}\n", log)
+        assert sorted(rank for rank, _ in ranks) == ["0", "1"], log[-3000:]
+        assert sorted(node for _, node in ranks) == ["n1", "n2"], log[-3000:]
+    assert log.count("received SIGUSR1: checkpoint, exit 75") == 10, log[-3000:]
+    assert log.count("requeued; Slurm starts it again") == 5, log[-3000:]
+    crash_log = (tmp_path / "crash.log").read_text()
+    assert crash_log.count("requeued; Slurm starts it again") == 1, crash_log[-3000:]
+    assert crash_log.count("crash: rank 0 crashed") == 2, crash_log[-3000:]
 
 
 def test_down_stops_only_what_up_started_and_up_restarts_it(slurm_cluster):

@@ -185,7 +185,7 @@ def test_launcher_signals_the_training_processes_before_the_jobs_end(tmp_path):
         ["bash", str(LAUNCH), "--procs-per-node", "1", "--", str(tmp_path / "stoppable")],
         env=env(
             path_first=tmp_path, SLURM_JOB_ID="77", FAKE_END=str(started + 108), FEDTUNE_SIGNAL_BEFORE="100",
-            OUT=str(out),
+            OUT=str(out), FEDTUNE_REQUEUE="0",
         ),
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip

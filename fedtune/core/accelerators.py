@@ -46,11 +46,67 @@ def _covers(arch_list: list[str], major: int, minor: int) -> bool:
     return False
 
 
-def check_device(device) -> None:
-    """Raise UnsupportedDeviceError when `device` is a CUDA GPU the running torch build has no kernels
-    for; CPU and other devices pass."""
+# The oldest NVIDIA driver that runs each CUDA major version's wheels, through CUDA's minor-version
+# compatibility (NVIDIA, CUDA Toolkit release notes, "CUDA Toolkit and Corresponding Driver Versions"):
+# the CUDA 12.6 build (Iris) needs >= 525.60.13, the CUDA 13.0 build (the default wheel: Leonardo,
+# Karolina, MeluXina) >= 580.65.06. envs/README.md has the table per cluster.
+MIN_DRIVER = {12: "525.60.13", 13: "580.65.06"}
+
+
+def _driver_cuda_version() -> int:
+    """The CUDA version the installed NVIDIA driver supports (the driver API's cuDriverGetVersion, from
+    libcuda.so.1, which the driver installs: 12040 is 12.4), or 0 when there is no driver."""
+    import ctypes
+
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0
+    version = ctypes.c_int(0)
+    if libcuda.cuDriverGetVersion(ctypes.byref(version)) != 0:
+        return 0
+    return version.value
+
+
+def _driver_name() -> str:
+    """The NVIDIA driver's version number as the kernel module reports it, or "" when unknown."""
+    try:
+        with open("/proc/driver/nvidia/version") as stream:
+            words = stream.readline().split()
+    except OSError:
+        return ""
+    return next((w for w in words if w[:1].isdigit() and w.count(".") >= 1), "")
+
+
+def check_driver() -> None:
+    """Raise UnsupportedDeviceError when a CUDA torch build runs on a node whose NVIDIA driver is too old
+    for it (torch then sees no GPU, and training would fall back to the CPU or fail much later)."""
     import torch
 
+    built = torch.version.cuda
+    driver = _driver_cuda_version()
+    if not built or not driver:
+        return
+    major = int(built.split(".")[0])
+    if driver // 1000 >= major:
+        return
+    name = _driver_name()
+    raise UnsupportedDeviceError(
+        f"the NVIDIA driver{' ' + name if name else ''} supports CUDA {driver // 1000}.{driver % 1000 // 10}, "
+        f"but torch {torch.__version__} is built for CUDA {built}, which needs a driver >= "
+        f"{MIN_DRIVER.get(major, 'of CUDA ' + str(major))}: install the build for this cluster "
+        "(scripts/setup-env with FEDTUNE_CLUSTER; envs/README.md: the torch build per cluster) or ask "
+        "the site for a newer driver"
+    )
+
+
+def check_device(device) -> None:
+    """Raise UnsupportedDeviceError when `device` is a CUDA GPU the running torch build has no kernels
+    for, or (on any device: torch sees no GPU then) when the NVIDIA driver is too old for the build;
+    CPU and other devices pass."""
+    import torch
+
+    check_driver()
     device = torch.device(device)
     if device.type != "cuda":
         return

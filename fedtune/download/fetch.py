@@ -214,18 +214,11 @@ def download_model(
             models.save_model(model, tokenizer, tmp)
             record.update(name=str(name), revision=revision, num_labels=spec["num_labels"])
         else:
-            model = models.load_causal_lm(
-                spec["name"],
-                dtype=spec["dtype"],
-                allow_pickle=spec["allow_pickle"],
-                trust_remote_code=spec["trust_remote_code"],
-                revision=spec["revision"],
-            )
-            tokenizer = models.load_tokenizer(
-                spec["name"], trust_remote_code=spec["trust_remote_code"], revision=spec["revision"]
-            )
-            models.save_model(model, tokenizer, tmp)
-            record.update(name=spec["name"], revision=spec["revision"])
+            # Files, not a loaded model: this runs on login nodes (fedtune/download/hub_model.py).
+            from fedtune.download import hub_model
+
+            fetched = hub_model.fetch(spec, tmp)
+            record.update(name=spec["name"], revision=spec["revision"], **fetched)
         write_json(tmp / "fedtune-source.json", record)
     print(f"saved the {source} model to {out}")
 
@@ -248,8 +241,8 @@ def main(argv=None) -> int:
     data = sub.add_parser("data", help="a site's train and test splits, saved with save_to_disk")
     data.add_argument("--spec", required=True, help="the site's dataset section as JSON")
     data.add_argument("--num-labels", type=int, default=None, help="classification: check the labels")
-    cli.add_out(data, "the output")
-    model = sub.add_parser("model", help="the base model and tokenizer, saved with save_pretrained")
+    cli.add_out(data, "the site's raw DatasetDict (save_to_disk)")
+    model = sub.add_parser("model", help="the base model and tokenizer (a hub model: its files)")
     model.add_argument("--spec", required=True, help="the model section as JSON")
     model.add_argument(
         "--corpora",
@@ -257,7 +250,7 @@ def main(argv=None) -> int:
         help="JSON list of {path, text_field, template}: raw datasets to train a tokenizer on",
     )
     model.add_argument("--task", default=CAUSAL_LM, choices=TASKS)
-    cli.add_out(model, "the output")
+    cli.add_out(model, "the base model folder")
     tasks = sub.add_parser("tasks", help="downstream tasks' definitions and data sets (evaluate.tasks)")
     tasks.add_argument(
         "--tasks",
@@ -265,7 +258,7 @@ def main(argv=None) -> int:
         required=True,
         help="task YAMLs, tasks shipped in workflow/tasks or lm-eval registry names",
     )
-    cli.add_out(tasks, "the output")
+    cli.add_out(tasks, "the tasks folder")
     args = parser.parse_args(argv)
     from fedtune.core import progress
 

@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from fedtune.core.accelerators import UnsupportedDeviceError, check_device
+from fedtune.core.accelerators import UnsupportedDeviceError, check_device, check_driver
 from fedtune.core.config import UserError
 
 
@@ -61,6 +61,10 @@ def _free_port() -> int:
 
 
 def pick_device(choice: str, local_rank: int) -> torch.device:
+    try:
+        check_driver()  # a driver too old for the build hides every GPU: "auto" would train on the CPU
+    except UnsupportedDeviceError as e:
+        raise LaunchError(str(e)) from None
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise LaunchError("device: cuda was asked for, but PyTorch sees no CUDA device")

@@ -418,3 +418,15 @@ def eval_task_args(site):
         f"--task {TASK} --label-field {shlex.quote(label_field)}"
         f" --max-length {RUN.tokenize.block_size}"
     )
+
+
+# Every job's shell (download, tokenize, evaluate, the downstream tasks, aggregate; training again through
+# scripts/launch) first sources the cluster's environment file: the caches (HF_HOME, TORCH_EXTENSIONS_DIR,
+# TRITON_CACHE_DIR) go to the cluster's scratch, not to $HOME, whose quota is small on all four sites.
+CLUSTER_ENV = Path(workflow.basedir) / "scripts" / "clusters" / f"{HERE}.sh"
+if HERE is not None and CLUSTER_ENV.is_file():
+    shell.prefix(f"set +u; source {shlex.quote(str(CLUSTER_ENV))}; set -u; ")
+
+# The conda environment's torch build per cluster (envs/README.md): Iris's V100s need the CUDA 12.6 build.
+if HERE == "iris":
+    CONDA_ENV = "../../envs/fedtune-cu126.yaml"

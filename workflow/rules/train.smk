@@ -69,7 +69,8 @@ if RUN.pooled:
             model=directory(pooled_model_dir()),
         log:
             log_path("train", "pooled"),
-        retries: RUN.pooled.retries
+        # As train: retried in a new Slurm job, never inside the job (workflow.remote_exec).
+        retries: 0 if workflow.remote_exec else RUN.pooled.retries
         params:
             site="pooled",
             checkpoints=run_path("pooled", "checkpoints"),

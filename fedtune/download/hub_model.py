@@ -1,0 +1,140 @@
+"""A hub model (`model.source: hf`) fetched as files, never loaded: the download stage runs on login nodes,
+where loading a 7B model whole (14-28 GB, minutes of CPU) is forbidden or killed (ULHPC's access-node
+rules; Leonardo stops a login process after 10 minutes of CPU time, and its lrd_all_serial jobs get
+30,800 MB).
+
+`huggingface_hub.snapshot_download` puts the safetensors, config and tokenizer files of the pinned
+revision into the hub cache (HF_HOME, on scratch: scripts/clusters/_common.sh), and they are linked (or
+copied, file by file) into the base-model folder. They are checked without loading a weight: the
+config parses and names a causal LM, every safetensors header parses, the index and the shards agree,
+and each file is as long as its header says (a truncated download is refused by name); the tokenizer
+loads (it is small). The weights keep the checkpoint's dtype: training loads them in float32 and the
+evaluations in model.dtype (fedtune.train.loading, fedtune.evaluate.scores), so the conversion happens there.
+Peak memory: benchmarks/hub_download.py (README there)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from fedtune.core.config import UserError
+
+# What save_pretrained folders on the hub hold besides weights: config, generation settings and every
+# tokenizer file format (tokenizer.json, sentencepiece *.model, BPE vocab/merges, chat templates).
+MODEL_FILES = [
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "*.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+]
+SAFETENSORS = ["*.safetensors", "*.safetensors.index.json"]
+PICKLES = ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
+ST_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+class HubModelError(UserError):
+    """A hub model whose files cannot serve: the message names the model, revision and file."""
+
+
+def patterns(allow_pickle: bool) -> list[str]:
+    return MODEL_FILES + SAFETENSORS + (PICKLES if allow_pickle else [])
+
+
+def snapshot(name: str, revision: str | None, allow_pickle: bool = False) -> Path:
+    """The folder holding the model's files at `revision`: a local folder as it is, else the hub cache's
+    snapshot (downloaded there first unless HF_HUB_OFFLINE is set and it is cached already)."""
+    if Path(name).is_dir():
+        return Path(name)
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(name, revision=revision, allow_patterns=patterns(allow_pickle)))
+
+
+def link_files(source: Path, dest: Path, allow_pickle: bool = False) -> list[str]:
+    """Hard-link (across file systems: copy, streamed) the model's files from source into dest."""
+    from fnmatch import fnmatch
+
+    names = []
+    for path in sorted(source.iterdir()):
+        if not path.is_file() or not any(fnmatch(path.name, p) for p in patterns(allow_pickle)):
+            continue
+        target = dest / path.name
+        try:
+            target.hardlink_to(path.resolve())
+        except OSError:
+            shutil.copyfile(path, target)
+        target.chmod(0o644)
+        names.append(path.name)
+    return names
+
+
+def check_files(folder: Path, label: str) -> dict:
+    """Refuse a folder whose config or safetensors cannot serve, reading only config.json and the
+    headers; returns {dtype: tensor count} of the weights."""
+    from fedtune.core.safetensors_stream import WeightsError, read_weights
+
+    config_path = folder / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as error:
+        raise HubModelError(f"{label}: config.json unreadable: {error}") from error
+    architectures = config.get("architectures") or []
+    if not any(a.endswith("ForCausalLM") for a in architectures):
+        raise HubModelError(
+            f"{label}: config.json names architectures {architectures}, no causal LM (…ForCausalLM)"
+        )
+    try:
+        weights = read_weights("base", folder, label=label)
+    except (WeightsError, ValueError, KeyError) as error:
+        raise HubModelError(f"{label}: {error}") from error
+    ends: dict[str, int] = {}
+    dtypes: dict[str, int] = {}
+    for info in weights.tensors.values():
+        ends[info.file] = max(ends.get(info.file, 0), info.offset + info.nbytes)
+        dtypes[info.dtype] = dtypes.get(info.dtype, 0) + 1
+    for name, end in ends.items():
+        size = (folder / name).stat().st_size
+        if size < end:
+            raise HubModelError(
+                f"{label}: {name} is {size} bytes, but its header places data up to byte {end}: "
+                "truncated download; delete it from the hub cache (HF_HOME) and download again"
+            )
+    return dtypes
+
+
+def fetch(spec: dict, dest: Path) -> dict:
+    """The hub model of the model section `spec` into dest as files; returns what fedtune-source.json
+    records about it."""
+    from fedtune.core import models
+
+    name, revision, allow_pickle = spec["name"], spec["revision"], spec["allow_pickle"]
+    label = f"{name}@{revision}" if revision else name
+    source = snapshot(name, revision, allow_pickle)
+    files = link_files(source, dest, allow_pickle)
+    if models.weight_files(dest):
+        dtypes = check_files(dest, label)
+    else:
+        models.check_model_dir(dest, allow_pickle=allow_pickle)  # pickle only: named unless allowed
+        dtypes = {}
+    wanted = ST_NAMES.get(spec.get("dtype") or "")
+    floats = {d for d in dtypes if d in ST_NAMES.values()}
+    if wanted and floats and floats != {wanted}:
+        # Training loads in float32 and the evaluations in model.dtype, whatever the files hold; the
+        # aggregation's start model of round 1 is this folder, and must match the sites' dtype.
+        print(
+            f"note: {label} stores {', '.join(sorted(floats))} weights, model.dtype is {spec['dtype']}: "
+            "they are converted where they are loaded, not here",
+            flush=True,
+        )
+    models.load_tokenizer(dest, trust_remote_code=spec["trust_remote_code"])
+    models.record_checksums(dest)
+    return {"files": files, "checkpoint_dtypes": dtypes, "snapshot": source.name}
