@@ -31,6 +31,7 @@ def download(spec: dict, out) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_the_converted_smollm2_loads_offline_and_knows_the_capital_of_france(smollm2_model_dir, smollm2_gguf):
     record = json.loads((smollm2_model_dir / "fedtune-source.json").read_text())
     assert record["source"] == "gguf" and record["path"] == str(smollm2_gguf.resolve())

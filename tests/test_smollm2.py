@@ -69,6 +69,7 @@ def smollm2_run(smollm2_gguf, tmp_path_factory):
     return workdir / "results" / config["run"]
 
 
+@pytest.mark.slow
 def test_fine_tuning_the_real_model_beats_the_base_at_every_site_and_after_merging(smollm2_run):
     run = smollm2_run
     table = pd.read_csv(run / "report" / "perplexity.csv")
