@@ -1,4 +1,4 @@
-"""Benchmark of `fedtune.aggregate` against a naive merge and against the I/O floor.
+"""Benchmark of `fedtune.aggregate.merge` against a naive merge and against the I/O floor.
 
     .venv/bin/python benchmarks/aggregate.py [--sites 2] [--layers 11] [--workdir /tmp/fedtune-bench]
 
@@ -119,7 +119,7 @@ def drop_cache(files: list[Path]) -> str:
     """Evict the inputs from the page cache, then re-read the Python libraries: the benchmark times the
     merge from cold inputs, not a cold torch import (about 3 s here, the same for every model size)."""
     how = _evict(files)
-    warm = "import torch, safetensors, transformers, fedtune.aggregate"
+    warm = "import torch, safetensors, transformers, fedtune.aggregate.merge"
     subprocess.run([sys.executable, "-c", warm], cwd=ROOT, check=True, capture_output=True)
     return how
 
@@ -234,7 +234,7 @@ def main() -> int:
     args = parser.parse_args()
 
     sys.path.insert(0, str(ROOT))
-    from fedtune.aggregate import parse_size
+    from fedtune.aggregate.merge import parse_size
 
     shard_bytes = parse_size(args.shard_size)
     work = args.workdir

@@ -58,9 +58,9 @@ def main() -> None:
 
     import torch
 
-    from fedtune.demo_data import bulletin, recipe
-    from fedtune.evaluate import build_stream, score
-    from fedtune.models import build_model, train_tokenizer
+    from fedtune.core.models import build_model, train_tokenizer
+    from fedtune.download.demo_data import bulletin, recipe
+    from fedtune.evaluate.scores import build_stream, score
 
     torch.set_num_threads(args.threads)
     rng = random.Random(1)

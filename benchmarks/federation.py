@@ -26,7 +26,7 @@ import pandas as pd
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from fedtune.report import markdown  # noqa: E402
+from fedtune.report.build import markdown  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

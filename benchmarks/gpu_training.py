@@ -10,9 +10,9 @@ data are random token ids from a seed, the same rows in the same order for every
 same micro batch, accumulation, sequence length, steps, precision, AdamW (0.9/0.95, eps 1e-8) at a
 constant learning rate and clipping at 1.0; each runs in a fresh process (so its peak memory is its own):
 
-- fsdp:            fedtune's train stage with its default speed options: fedtune.backends.build from
+- fsdp:            fedtune's train stage with its default speed options: fedtune.train.backends.build from
                    TrainOptions (backend fsdp, sharding full), whose AdamW is fused on CUDA and whose batches
-                   are copied from pinned memory with non_blocking, and fedtune.train.train_step per step
+                   are copied from pinned memory with non_blocking, and fedtune.train.loop.train_step per step
                    (micro batches with accumulation, the optimizer step, the loss all-reduce: one host sync);
 - fsdp_fast:       the same with the train options `compile: true` (torch.compile per decoder layer) and,
                    with --checkpoint-every N, `gradient_checkpointing: N` (every N-th layer);
@@ -142,11 +142,11 @@ def build_model(spec: dict):
 
     torch.manual_seed(spec["seed"])
     config = LlamaConfig(**spec["architecture"], max_position_embeddings=spec["seq"], use_cache=False)
-    return LlamaForCausalLM(config)  # fp32 on the host, as fedtune.train loads it
+    return LlamaForCausalLM(config)  # fp32 on the host, as fedtune.train.loop loads it
 
 
 class RandomBlocks:
-    """Random token blocks with the interface fedtune.train reads from fedtune.blocks.Blocks: the
+    """Random token blocks with the interface fedtune.train.loop reads from fedtune.tokenize.blocks.Blocks: the
     training data of every run, the same rows from the same seed."""
 
     classification = False
@@ -173,9 +173,9 @@ class RandomBlocks:
 
 
 def data_order(spec: dict):
-    """fedtune.blocks.BlockOrder over RandomBlocks (one process) and the micro batches it gives, in
+    """fedtune.tokenize.blocks.BlockOrder over RandomBlocks (one process) and the micro batches it gives, in
     training order: the Trainer gets the same rows in the same order."""
-    from fedtune.blocks import BlockOrder
+    from fedtune.tokenize.blocks import BlockOrder
 
     blocks = RandomBlocks(spec)
     global_batch = spec["micro_batch"] * spec["accumulation"]
@@ -202,8 +202,9 @@ def synchronize(device) -> None:
 def fedtune_worker(spec: dict) -> dict:
     from types import SimpleNamespace
 
-    from fedtune import distributed, loading, speed, train
-    from fedtune.config import TrainOptions
+    from fedtune.core.config import TrainOptions
+    from fedtune.train import distributed, loading, speed
+    from fedtune.train import loop as train
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -229,7 +230,7 @@ def fedtune_worker(spec: dict) -> dict:
     )
     job = distributed.start(options.device)
     model_dir = Path(spec["model_dir"])
-    # As fedtune.train loads its starting weights (meta device for FSDP, zero.Init for ZeRO-3).
+    # As fedtune.train.loop loads its starting weights (meta device for FSDP, zero.Init for ZeRO-3).
     backend = loading.load_backend(model_dir, options, job, spec["accumulation"], task="causal-lm")
     blocks, order, _ = data_order(spec)
     run = SimpleNamespace(blocks=blocks, order=order, job=job, backend=backend)
@@ -265,7 +266,7 @@ def save_model(spec: dict) -> int:
     Llama checkpoints come, which halves the writing and hashing; every run converts them to fp32."""
     import torch
 
-    from fedtune.models import record_checksums
+    from fedtune.core.models import record_checksums
 
     model = build_model(spec)
     if spec["precision"] == "bf16":

@@ -1,5 +1,5 @@
 """Benchmark: host memory of a train job's processes, summed, from their start to the first forward pass,
-with the starting weights loaded by every rank (before) and once (fedtune.loading, after), on CPU.
+with the starting weights loaded by every rank (before) and once (fedtune.train.loading, after), on CPU.
 
     .venv/bin/python benchmarks/loading_memory.py            # 2 and 4 processes, a 102M-parameter Llama
 
@@ -52,7 +52,7 @@ def prepare(
     returns (model, manifest, P). bfloat16, as the examples download Llama-2: training in fp32 then
     needs a converted, private copy per rank (an fp32 file could be memory-mapped and shared)."""
     sys.path.insert(0, str(ROOT))
-    from fedtune.models import build_model, load_tokenizer, save_model, train_tokenizer
+    from fedtune.core.models import build_model, load_tokenizer, save_model, train_tokenizer
     from tests.conftest import corpus
     from tests.train_runs import make_site_data
 
@@ -90,12 +90,12 @@ def _train_processes(launcher_pid: int) -> list[int]:
             continue
         # The workers run `python -m fedtune.train`; torchrun's own command line names its module.
         launcher = any("torchrun" in c or "distributed.run" in c for c in cmdline)
-        if "fedtune.train" in cmdline and "python" in Path(cmdline[0]).name and not launcher:
+        if "fedtune.train.loop" in cmdline and "python" in Path(cmdline[0]).name and not launcher:
             found.append(child.pid)
     return found
 
 
-# "once" is fedtune.loading's path for each: meta device + rank 0's reads (FSDP2), zero.Init (ZeRO-3).
+# "once" is fedtune.train.loading's path for each: meta device + rank 0's reads (FSDP2), zero.Init (ZeRO-3).
 BACKENDS = {
     "fsdp": {"backend": "fsdp", "sharding": "full"},
     "zero3": {"backend": "deepspeed", "zero_stage": 3},

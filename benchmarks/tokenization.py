@@ -38,9 +38,9 @@ def main() -> None:
 
     from datasets import Dataset, DatasetDict, disable_caching
 
-    from fedtune.demo_data import bulletin, recipe
-    from fedtune.models import train_tokenizer
-    from fedtune.tokenize import tokenize_shard
+    from fedtune.core.models import train_tokenizer
+    from fedtune.download.demo_data import bulletin, recipe
+    from fedtune.tokenize.shards import tokenize_shard
 
     work = Path(tempfile.mkdtemp(prefix="fedtune-bench-tokenize-"))
     rng = random.Random(0)

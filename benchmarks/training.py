@@ -6,12 +6,12 @@ One tiny Llama (built from config with a byte-level BPE trained on the demo text
 of tokenized shards (the tokenize stage's own `tokenize_shard` + `write_manifest` on recipe/bulletin
 text, packed blocks of 256 tokens) and the same batch (micro 8 per rank, global 32: 2 ranks x 8 x 2
 accumulation), fp32, AdamW (betas 0.9/0.95, eps 1e-8, no weight decay), clip 1.0, fedtune's learning rate
-schedule (linear warm-up, cosine to 0.1 x lr; the Trainer gets it as a LambdaLR of fedtune.schedule), and
+schedule (linear warm-up, cosine to 0.1 x lr; the Trainer gets it as a LambdaLR of fedtune.train.schedule), and
 the same number of steps for every run, 2 processes on CPU/gloo with
 OMP_NUM_THREADS=1 each:
 
 - fedtune: `scripts/launch --procs-per-node 2 -- python -m fedtune.train ...`, exactly as the train
-  rule calls it (options JSON checked against workflow/schemas/train.schema.yaml), for backend fsdp with
+  rule calls it (options JSON checked against fedtune/schemas/train.schema.yaml), for backend fsdp with
   sharding full and none, and deepspeed with zero_stage 2 and 3; checkpoint_every 0 (fedtune still
   writes one checkpoint after the last step, and exports the model);
 - hf_trainer: `torchrun --nproc-per-node 2` of this file's worker mode, `Trainer` with
@@ -27,7 +27,7 @@ issue 7: fsdp with sharding none at least equal to the Trainer).
 
 `--checkpoint-blocking [--checkpoint-every 2]` instead runs fsdp full twice, with FEDTUNE_CHECKPOINT=sync
 and with the default asynchronous save, and reports the seconds the ranks stood still per checkpoint
-(fedtune.checkpoint logs them; target of issue 15: asynchronous at most 25% of synchronous)."""
+(fedtune.train.checkpoint logs them; target of issue 15: asynchronous at most 25% of synchronous)."""
 
 from __future__ import annotations
 
@@ -114,9 +114,9 @@ def prepare(args, tmp: Path) -> tuple[Path, Path, dict]:
 
     from datasets import Dataset, DatasetDict
 
-    from fedtune.demo_data import bulletin, recipe
-    from fedtune.models import build_model, save_model, train_tokenizer
-    from fedtune.tokenize import tokenize_shard, write_manifest
+    from fedtune.core.models import build_model, save_model, train_tokenizer
+    from fedtune.download.demo_data import bulletin, recipe
+    from fedtune.tokenize.shards import tokenize_shard, write_manifest
 
     rng = random.Random(0)
     texts = [(recipe if i % 2 else bulletin)(rng) for i in range(args.documents)]
@@ -167,7 +167,7 @@ def train_command(args, options: dict, model_dir: Path, manifest: Path, run_dir:
 
 
 def run_fedtune(args, name: str, extra: dict, model_dir: Path, manifest: Path, tmp: Path) -> dict:
-    from fedtune.config import TrainOptions
+    from fedtune.core.config import TrainOptions
 
     # The train section as the train CLI reads it (checked, defaults filled), as a plain dict here.
     options = TrainOptions.from_mapping(train_options(args, extra)).to_dict()
@@ -248,7 +248,7 @@ def run_trainer(args, model_dir: Path, manifest: Path, tmp: Path) -> dict:
     losses = timings["losses"]
     out = result(args, durations, wall, losses[-1], losses)
     # The rates the Trainer used, checked against fedtune's schedule (same options, same function).
-    from fedtune.schedule import learning_rate
+    from fedtune.train.schedule import learning_rate
 
     options = worker["options"]
     expected = [
@@ -268,8 +268,8 @@ def hf_worker(spec: dict) -> None:
     from datasets import concatenate_datasets, load_from_disk
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-    from fedtune.blocks import manifest_shards
-    from fedtune.schedule import learning_rate
+    from fedtune.tokenize.blocks import manifest_shards
+    from fedtune.train.schedule import learning_rate
 
     options = spec["options"]
     world = int(os.environ["WORLD_SIZE"])
@@ -361,7 +361,7 @@ COMPLETE = re.compile(
 
 
 def blocking_per_checkpoint(log_text: str) -> dict[int, float]:
-    """Seconds the ranks stood still for each checkpoint, from rank 0's log lines (fedtune.checkpoint):
+    """Seconds the ranks stood still for each checkpoint, from rank 0's log lines (fedtune.train.checkpoint):
     synchronous, the whole save; asynchronous, the staging plus any wait for its writer at the next
     save."""
     blocked: dict[int, float] = {}
@@ -377,7 +377,7 @@ def run_checkpoint_blocking(args, model_dir: Path, manifest: Path, tmp: Path) ->
     """fsdp full with a checkpoint every --checkpoint-every steps, written synchronously and then
     asynchronously. The run's last checkpoint is waited for in both (nothing may be in flight at the
     end), so the comparison is over the others."""
-    from fedtune.config import TrainOptions
+    from fedtune.core.config import TrainOptions
 
     out = {}
     for mode in ("sync", "async"):

@@ -61,7 +61,7 @@ def corpus(n: int = 400) -> list[str]:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A 2-layer Llama with a 512-token byte-level BPE tokenizer, saved with save_pretrained."""
-    from fedtune.models import build_model, save_model, train_tokenizer
+    from fedtune.core.models import build_model, save_model, train_tokenizer
 
     out = tmp_path_factory.mktemp("tiny-model") / "model"
     tokenizer = train_tokenizer(corpus(), vocab_size=512)

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedtune import distributed, evaluate
-from fedtune.accelerators import UnsupportedDeviceError, check_device
+from fedtune.core.accelerators import UnsupportedDeviceError, check_device
+from fedtune.evaluate import scores as evaluate
+from fedtune.train import distributed
 
 # What the default torch 2.13 wheel (CUDA 13.0) reports: no sm_70.
 NO_VOLTA = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120", "compute_120"]

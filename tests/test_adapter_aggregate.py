@@ -1,7 +1,7 @@
-"""fedtune.adapter_aggregate against peft itself: sites train tiny LoRA adapters (random B, since peft
+"""fedtune.aggregate.adapters against peft itself: sites train tiny LoRA adapters (random B, since peft
 starts B at zero), and the aggregate, loaded with PeftModel.from_pretrained and merged, must give the
 weighted mean of the sites' updates (exact) or mean(B) mean(A) (average_factors); the merged full model
-must load with transformers and hold base + that update. Also fedtune.adapter_size's byte counts."""
+must load with transformers and hold base + that update. Also fedtune.aggregate.adapter_size's byte counts."""
 
 from __future__ import annotations
 
@@ -27,14 +27,14 @@ from transformers import (  # noqa: E402
     LlamaForSequenceClassification,
 )
 
-from fedtune.adapter_aggregate import (  # noqa: E402
+from fedtune.aggregate.adapter_size import adapter_bytes, model_bytes, transfer_bytes  # noqa: E402
+from fedtune.aggregate.adapters import (  # noqa: E402
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     AdapterAggregateError,
     aggregate_adapters,
     main,
 )
-from fedtune.adapter_size import adapter_bytes, model_bytes, transfer_bytes  # noqa: E402
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
@@ -458,8 +458,8 @@ def manifest(path: Path, site: str, tokens: int) -> str:
 def test_cli_weights_by_tokens_and_merge_gives_what_merge_into_gives(two_ranks, llama_base, tmp_path):
     import shutil
 
-    from fedtune.checksums import sha256_file
-    from fedtune.models import record_checksums
+    from fedtune.core.checksums import sha256_file
+    from fedtune.core.models import record_checksums
 
     low, high = two_ranks
     # A base as fedtune writes one, with its checksum record: the merge verifies the bytes it reads.

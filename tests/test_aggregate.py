@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from fedtune.aggregate import AggregateError, aggregate, main, parse_size
+from fedtune.aggregate.merge import AggregateError, aggregate, main, parse_size
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8, "dtype": "float32"}
 TOKENIZER = {
@@ -308,7 +308,7 @@ def test_parse_size():
 
 
 def test_cli(tmp_path, capsys, monkeypatch):
-    from fedtune.offline import OFFLINE_VARIABLES
+    from fedtune.core.offline import OFFLINE_VARIABLES
 
     for name in OFFLINE_VARIABLES:  # main() sets them; monkeypatch restores them afterwards
         monkeypatch.setenv(name, "0")
@@ -333,7 +333,7 @@ def test_cli(tmp_path, capsys, monkeypatch):
 
 
 def test_write_error_stops_the_merge_and_leaves_nothing(tmp_path, monkeypatch):
-    from fedtune import safetensors_stream as module
+    from fedtune.core import safetensors_stream as module
 
     big = {f"model.layers.{i}.weight": torch.randn(64, 64) for i in range(6)}
     models = {s: write_checkpoint(tmp_path / s, big) for s in ("a", "b")}

@@ -7,8 +7,8 @@ import pytest
 import torch
 from mergekit.merge_methods import merge_tensors
 
-from fedtune import merge_methods
-from fedtune.aggregate import AggregateError, aggregate
+from fedtune.aggregate import methods as merge_methods
+from fedtune.aggregate.merge import AggregateError, aggregate
 from tests.test_aggregate import read_output, write_checkpoint
 
 WEIGHTS = [0.2, 0.3, 0.5]

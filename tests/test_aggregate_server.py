@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from fedtune import merge_methods
-from fedtune.aggregate import AggregateError, aggregate, main
+from fedtune.aggregate import methods as merge_methods
+from fedtune.aggregate.merge import AggregateError, aggregate, main
 from tests.test_aggregate import read_output, write_checkpoint
 
 NAMES = {"model.layers.0.mlp.up_proj.weight": (12, 8), "model.norm.weight": (8,)}

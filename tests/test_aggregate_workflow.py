@@ -36,7 +36,7 @@ def test_rounds_pass_start_and_server_state_and_compare_models_are_targets(tmp_p
     run = "results/demo"
     compared = [f"{run}/round-{r}/compare/{m}/model" for r in (1, 2) for m in ("ties", "dare_linear")]
     result = snakemake(tmp_path, "-n", "-p", f"{run}/round-2/aggregate/model", *compared)
-    commands = shell_commands(result.stdout, "fedtune.aggregate")
+    commands = shell_commands(result.stdout, "fedtune.aggregate.merge")
     merged = {option(c, "--out"): c for c in commands}
     assert set(merged) == {f"{run}/round-1/aggregate/model", f"{run}/round-2/aggregate/model", *compared}
     first, second = merged[f"{run}/round-1/aggregate/model"], merged[f"{run}/round-2/aggregate/model"]

@@ -1,4 +1,4 @@
-"""The package's shape: fedtune.config is a leaf every stage may import, and no import circle exists among
+"""The package's shape: fedtune.core.config is a leaf every stage may import, and no import circle exists among
 fedtune's modules (counting the imports inside functions too, which a circle would otherwise hide in)."""
 
 from __future__ import annotations
@@ -25,8 +25,19 @@ def imported_fedtune_modules(path: Path) -> set[str]:
     return found
 
 
+def package_modules() -> dict[str, Path]:
+    """Every module of the package by dotted name (sub-packages included, their __init__ and __main__ not)."""
+    modules = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.stem in ("__init__", "__main__"):
+            continue
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        modules[".".join(parts)] = path
+    return modules
+
+
 def import_graph() -> dict[str, set[str]]:
-    modules = {f"fedtune.{path.stem}": path for path in PACKAGE.glob("*.py") if path.stem != "__init__"}
+    modules = package_modules()
     return {name: imported_fedtune_modules(path) & set(modules) for name, path in modules.items()}
 
 
@@ -53,12 +64,12 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_config_imports_nothing_from_fedtune():
-    assert import_graph()["fedtune.config"] == set()
+    assert import_graph()["fedtune.core.config"] == set()
     loaded = subprocess.run(
-        [sys.executable, "-c", "import sys, fedtune.config; print(sorted(m for m in sys.modules if m.split('.')[0] == 'fedtune'))"],
+        [sys.executable, "-c", "import sys, fedtune.core.config; print(sorted(m for m in sys.modules if m.split('.')[0] == 'fedtune'))"],
         capture_output=True, text=True, check=True, cwd=PACKAGE.parent,
     ).stdout  # fmt: skip
-    assert loaded.strip() == "['fedtune', 'fedtune.config']"
+    assert loaded.strip() == "['fedtune', 'fedtune.core', 'fedtune.core.config']"
 
 
 def test_no_import_circle_among_fedtune_modules():

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from fedtune.download import DataError, download_data, download_model
-from fedtune.evaluate import EvaluateError, classification_metrics, evaluate
-from fedtune.models import CLASSIFICATION, ModelError, load_model, load_tokenizer, model_task
-from fedtune.tokenize import TokenizeError, encode_examples, tokenize_shard, verify_shard
+from fedtune.core.models import CLASSIFICATION, ModelError, load_model, load_tokenizer, model_task
+from fedtune.download.fetch import DataError, download_data, download_model
+from fedtune.evaluate.scores import EvaluateError, classification_metrics, evaluate
+from fedtune.tokenize.shards import TokenizeError, encode_examples, tokenize_shard, verify_shard
 from tests.conftest import TINY_ARCHITECTURE, corpus
 from tests.workflow_harness import snakemake, write_config
 
@@ -136,7 +136,7 @@ def test_a_local_model_folder_becomes_a_classifier_with_its_head_saved(tiny_mode
 
 
 def test_classification_needs_num_labels(tiny_model_dir, tmp_path):
-    from fedtune.config import ConfigError
+    from fedtune.core.config import ConfigError
 
     with pytest.raises(ConfigError, match="model.num_labels"):
         download_model({"source": "hf", "name": str(tiny_model_dir)}, tmp_path / "m", task=CLASSIFICATION)
@@ -191,7 +191,7 @@ def test_rows_carry_the_tokenizers_special_tokens_and_keep_sep_when_truncated(wo
 def test_classification_shards_hold_one_labelled_row_per_document(classifier_dir, tmp_path):
     from datasets import Dataset, DatasetDict
 
-    from fedtune.blocks import Blocks
+    from fedtune.tokenize.blocks import Blocks
 
     texts = corpus(10)
     labels = [i % NUM_LABELS for i in range(10)]
@@ -278,8 +278,8 @@ def test_evaluate_refuses_a_missing_label_column(classifier_dir, tmp_path):
 def test_aggregation_merges_the_classification_heads(classifier_dir, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from fedtune.aggregate import aggregate
-    from fedtune.models import record_checksums
+    from fedtune.aggregate.merge import aggregate
+    from fedtune.core.models import record_checksums
 
     states = {}
     for k, site in enumerate(("alpha", "beta")):
@@ -305,7 +305,7 @@ def test_aggregation_merges_the_classification_heads(classifier_dir, tmp_path):
 
 
 def test_report_tabulates_accuracy_and_macro_f1(tmp_path):
-    from fedtune.report import ReportError, report
+    from fedtune.report.build import ReportError, report
 
     evals = []
     for rnd, model, alpha, beta in (
@@ -345,7 +345,7 @@ ADAPTER = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"}
 def test_classification_runs_end_to_end_on_cpu(tmp_path, adapter):
     """Labelled reviews at two sites, a tiny Llama classifier from scratch, FSDP on 2 CPU processes:
     each site model beats the base model's accuracy on its own test set, and the report tables it."""
-    from fedtune.demo_data import write_reviews
+    from fedtune.download.demo_data import write_reviews
 
     write_reviews(tmp_path / "reviews")
     config = {

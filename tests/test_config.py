@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fedtune.config import ConfigError, check_config, load_config, site_train_options
+from fedtune.core.config import ConfigError, check_config, load_config, site_train_options
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,7 +59,7 @@ def test_demo_config_is_valid_and_defaults_are_filled():
 
 def schema_properties():
     """(file#path, property schema, required?) for every property of every schema file."""
-    from fedtune.config import SCHEMA_DIR
+    from fedtune.core.config import SCHEMAS
 
     def walk(node, where):
         required = set(node.get("required", ()))
@@ -69,7 +69,9 @@ def schema_properties():
         for name, sub in node.get("$defs", {}).items():
             yield from walk(sub, f"{where}#{name}")
 
-    for path in sorted(SCHEMA_DIR.glob("*.schema.yaml")):
+    for path in sorted(
+        (p for p in SCHEMAS.iterdir() if p.name.endswith(".schema.yaml")), key=lambda p: p.name
+    ):
         yield from walk(yaml.safe_load(path.read_text()), path.name)
 
 
@@ -221,7 +223,7 @@ def test_options_objects_have_exactly_the_schema_keys():
     """A key added to a section schema but not to its object (or the reverse) fails here, not in a job."""
     import dataclasses
 
-    from fedtune.config import EvaluateOptions, TrainOptions, schema
+    from fedtune.core.config import EvaluateOptions, TrainOptions, schema
 
     for cls in (TrainOptions, EvaluateOptions):
         fields = {f.name for f in dataclasses.fields(cls)}
@@ -229,7 +231,7 @@ def test_options_objects_have_exactly_the_schema_keys():
 
 
 def test_run_config_hands_out_each_sites_merged_options():
-    from fedtune.config import build_run_config
+    from fedtune.core.config import build_run_config
 
     config = demo()
     config["sites"]["beta"]["train"] = {"lr": 0.01}

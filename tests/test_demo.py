@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 from PIL import Image
 
-from fedtune.config import EvaluateOptions
+from fedtune.core.config import EvaluateOptions
 
 from . import report_browser
 from .workflow_harness import ROOT, demo_config, snakemake, write_config
@@ -149,7 +149,7 @@ def test_the_workflows_task_score_equals_the_lm_eval_cli(demo, tmp_path):
 def test_status_summarises_the_finished_run(demo):
     run, workdir = demo
     result = subprocess.run(
-        [sys.executable, "-m", "fedtune.status", "--configfile", "config.yaml", "--json"],
+        [sys.executable, "-m", "fedtune.report.status", "--configfile", "config.yaml", "--json"],
         cwd=workdir, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from fedtune.demo_data import write
+from fedtune.download.demo_data import write
 
 from .conftest import ROOT
 
@@ -17,7 +17,7 @@ def test_shipped_files_are_the_generators_output(tmp_path):
     for path in written:
         shipped = SHIPPED / path.relative_to(tmp_path)
         assert shipped.read_bytes() == path.read_bytes(), (
-            f"{shipped} differs: rerun python -m fedtune.demo_data"
+            f"{shipped} differs: rerun python -m fedtune.download.demo_data"
         )
 
 

@@ -7,9 +7,9 @@ import json
 import pytest
 from datasets import load_from_disk
 
-from fedtune.config import ConfigError
-from fedtune.download import DataError, download_data, download_model
-from fedtune.models import ModelError, load_causal_lm, load_tokenizer
+from fedtune.core.config import ConfigError
+from fedtune.core.models import ModelError, load_causal_lm, load_tokenizer
+from fedtune.download.fetch import DataError, download_data, download_model
 
 
 def write_jsonl(path, texts, field="text"):

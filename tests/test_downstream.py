@@ -1,4 +1,4 @@
-"""Downstream tasks (evaluate.tasks, fedtune.downstream, lm-eval): the config's checks, the DAG's wiring,
+"""Downstream tasks (evaluate.tasks, fedtune.evaluate.downstream, lm-eval): the config's checks, the DAG's wiring,
 and the download stage's copy of a task read offline, whose scores equal what the lm_eval CLI prints for
 the same model, task and settings. The workflow run that scores the demo's models and tables them in the
 report is tests/test_demo.py's."""
@@ -16,7 +16,7 @@ from collections import Counter
 
 import pytest
 
-from fedtune.config import ConfigError, EvaluateOptions, build_run_config, downstream_tasks
+from fedtune.core.config import ConfigError, EvaluateOptions, build_run_config, downstream_tasks
 
 from .workflow_harness import ROOT, demo_config, dry_run, snakemake, write_config
 
@@ -80,7 +80,7 @@ def test_copied_task_read_offline_scores_as_the_lm_eval_cli(tiny_model_dir, tmp_
 
     out = user / "run" / "base.csv"
     ours = subprocess.run(
-        [sys.executable, "-m", "fedtune.downstream", "--model", str(tiny_model_dir), "--tasks-dir", "run/tasks",
+        [sys.executable, "-m", "fedtune.evaluate.downstream", "--model", str(tiny_model_dir), "--tasks-dir", "run/tasks",
          "--device", "cpu", "--batch-size", "4", "--limit", LIMIT, "--label", "base", "--round", "0",
          "--out", str(out)],
         cwd=user, env=offline_env(tmp_path), capture_output=True, text=True, timeout=900,
@@ -102,7 +102,7 @@ def test_copied_task_read_offline_scores_as_the_lm_eval_cli(tiny_model_dir, tmp_
 def test_a_task_yamls_includes_functions_and_data_are_copied(tmp_path, monkeypatch):
     """A task that includes a base YAML and names a `!function` of the module beside it: the copy holds
     all three and its data, and lm-eval loads it from there (prepare loads every task it copies)."""
-    from fedtune.downstream import DATASETS_CACHE, prepare
+    from fedtune.evaluate.downstream import DATASETS_CACHE, prepare
 
     user = tmp_path / "user"
     (user / "tasks").mkdir(parents=True)
@@ -132,7 +132,7 @@ def test_a_task_yamls_includes_functions_and_data_are_copied(tmp_path, monkeypat
 
 @needs_lm_eval
 def test_a_task_lm_eval_cannot_load_fails_the_download_and_leaves_no_folder(tmp_path, monkeypatch):
-    from fedtune.downstream import DownstreamError, prepare
+    from fedtune.evaluate.downstream import DownstreamError, prepare
 
     (tmp_path / "broken.yaml").write_text(
         (ROOT / PROJECT_TASK).read_text().replace("task: fedtune_demo_alpha", "task: broken")
@@ -148,7 +148,7 @@ def test_a_task_lm_eval_cannot_load_fails_the_download_and_leaves_no_folder(tmp_
 
 @needs_lm_eval
 def test_unknown_task_and_missing_folder_are_named(tiny_model_dir, tmp_path):
-    from fedtune.downstream import DownstreamError, read_tasks_dir, run_tasks
+    from fedtune.evaluate.downstream import DownstreamError, read_tasks_dir, run_tasks
 
     with pytest.raises(DownstreamError, match="--tasks: unknown .*no_such_task"):
         run_tasks(
@@ -294,15 +294,28 @@ def test_an_adapter_is_scored_on_its_base_as_its_merged_model_scores(tiny_model_
         assert result.returncode == 0, result.stderr[-3000:]
 
     fedtune(
-        "fedtune.adapter_aggregate", "--merge", "adapter", "--base", str(tiny_model_dir), "--output", "merged"
+        "fedtune.aggregate.adapters",
+        "--merge",
+        "adapter",
+        "--base",
+        str(tiny_model_dir),
+        "--output",
+        "merged",
     )
-    fedtune("fedtune.download", "tasks", "--tasks", str(ROOT / PROJECT_TASK), "--out", "tasks")
+    fedtune("fedtune.download.fetch", "tasks", "--tasks", str(ROOT / PROJECT_TASK), "--out", "tasks")
     score = ["--tasks-dir", "tasks", "--device", "cpu", "--batch-size", "4", "--limit", LIMIT]
     fedtune(
-        "fedtune.downstream", "--model", "adapter", "--base", str(tiny_model_dir), *score, "--out", "a.csv"
+        "fedtune.evaluate.downstream",
+        "--model",
+        "adapter",
+        "--base",
+        str(tiny_model_dir),
+        *score,
+        "--out",
+        "a.csv",
     )
-    fedtune("fedtune.downstream", "--model", "merged", *score, "--out", "m.csv")
-    fedtune("fedtune.downstream", "--model", str(tiny_model_dir), *score, "--out", "b.csv")
+    fedtune("fedtune.evaluate.downstream", "--model", "merged", *score, "--out", "m.csv")
+    fedtune("fedtune.evaluate.downstream", "--model", str(tiny_model_dir), *score, "--out", "b.csv")
     adapter, merged, base = (pd.read_csv(tmp_path / f"{n}.csv").set_index("metric")["value"] for n in "amb")
     assert adapter.to_dict() == pytest.approx(merged.to_dict(), rel=1e-5)
     assert abs(adapter["bits_per_byte"] - base["bits_per_byte"]) > 1e-3  # the adapter changed the model

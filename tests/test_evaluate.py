@@ -12,8 +12,8 @@ import random
 import pytest
 import torch
 
-from fedtune.config import ConfigError
-from fedtune.evaluate import EvaluateError, Window, build_stream, evaluate, score, windows
+from fedtune.core.config import ConfigError
+from fedtune.evaluate.scores import EvaluateError, Window, build_stream, evaluate, score, windows
 
 TEMPLATE = "Scrivi: {text}"
 
@@ -40,7 +40,7 @@ def raw_data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model_and_tokenizer(tiny_model_dir):
-    from fedtune.models import load_causal_lm, load_tokenizer
+    from fedtune.core.models import load_causal_lm, load_tokenizer
 
     return load_causal_lm(tiny_model_dir).eval(), load_tokenizer(tiny_model_dir)
 
@@ -154,8 +154,8 @@ def test_option_and_data_errors(tiny_model_dir, raw_data):
 
 
 def test_cli_writes_result(tiny_model_dir, raw_data, tmp_path, monkeypatch):
-    from fedtune.evaluate import main
-    from fedtune.offline import OFFLINE_VARIABLES
+    from fedtune.core.offline import OFFLINE_VARIABLES
+    from fedtune.evaluate.scores import main
 
     for name in OFFLINE_VARIABLES:  # main() sets them; monkeypatch restores them afterwards
         monkeypatch.setenv(name, "0")
@@ -181,7 +181,7 @@ def test_cli_writes_result(tiny_model_dir, raw_data, tmp_path, monkeypatch):
 def test_cli_sends_its_result_to_the_tracker(tiny_model_dir, raw_data, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from fedtune.evaluate import main
+    from fedtune.evaluate.scores import main
 
     data, _ = raw_data
     out, tracked = tmp_path / "beta.json", tmp_path / "tracking"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fedtune.config import check_config
+from fedtune.core.config import check_config
 from tests.support.twins import differences, make_twin
 
 from .workflow_harness import ROOT, snakemake
@@ -222,7 +222,7 @@ def check_adapter_run(config: dict, run: Path, workdir: Path) -> None:
     shapes, and every round started from the merged aggregate of the one before."""
     import pandas as pd
 
-    from fedtune.adapter_size import transfer_bytes
+    from fedtune.aggregate.adapter_size import transfer_bytes
 
     rounds = config.get("federation", {}).get("rounds", 1)
     model_config = json.loads((run / "model" / "base" / "config.json").read_text())

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from fedtune.config import ConfigError, build_run_config
+from fedtune.core.config import ConfigError, build_run_config
 
 from .workflow_harness import demo_config, dry_run, write_config
 

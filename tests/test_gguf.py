@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from fedtune.config import ConfigError, check_config
+from fedtune.core.config import ConfigError, check_config
 
 from .conftest import ROOT
 from .workflow_harness import demo_config
@@ -44,7 +44,7 @@ def test_the_converted_smollm2_loads_offline_and_knows_the_capital_of_france(smo
     assert "quantization_config" not in config and config["tie_word_embeddings"] is True
     # A fresh process with the hub switched off: from_pretrained, as every later stage loads it.
     script = (
-        "import sys; from fedtune.models import load_causal_lm, load_tokenizer\n"
+        "import sys; from fedtune.core.models import load_causal_lm, load_tokenizer\n"
         "model, tok = load_causal_lm(sys.argv[1]), load_tokenizer(sys.argv[1])\n"
         "ids = tok('The capital of France is', return_tensors='pt')\n"
         "out = model.generate(**ids, max_new_tokens=3, do_sample=False)\n"

@@ -1,5 +1,5 @@
 """benchmarks/gpu_training.py: its FLOPs formula and peak table, and its --smoke mode end to end on CPU
-(every run: the HF Trainer, fedtune's FSDP2 with and without fedtune.speed, DeepSpeed ZeRO-2/3)."""
+(every run: the HF Trainer, fedtune's FSDP2 with and without fedtune.train.speed, DeepSpeed ZeRO-2/3)."""
 
 from __future__ import annotations
 

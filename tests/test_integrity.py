@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 
-from fedtune.aggregate import aggregate
-from fedtune.models import CHECKSUMS, ModelError, load_causal_lm, verify_checksums
+from fedtune.aggregate.merge import aggregate
+from fedtune.core.models import CHECKSUMS, ModelError, load_causal_lm, verify_checksums
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""fedtune.loading.fill_from_rank0 on two gloo processes: FSDP2 shards of uneven size (rows not divisible
+"""fedtune.train.loading.fill_from_rank0 on two gloo processes: FSDP2 shards of uneven size (rows not divisible
 by the ranks), tensors broadcast over many chunks and rows larger than a chunk, filled from a bf16
 checkpoint, equal the checkpoint's tensors cast to fp32 exactly."""
 
@@ -33,7 +33,7 @@ def _fill(rank: int, world: int, port: int, model_dir: str, out: str, chunk_byte
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import fully_shard
 
-    from fedtune import loading
+    from fedtune.train import loading
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

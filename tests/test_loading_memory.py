@@ -1,4 +1,4 @@
-"""fedtune.loading: a 2-process train job holds at most 1.3 fp32 copies of the model on the node while it
+"""fedtune.train.loading: a 2-process train job holds at most 1.3 fp32 copies of the model on the node while it
 loads and shards the starting weights (the per-rank path, kept for comparison, holds more), and both paths
 start training from the same weights."""
 

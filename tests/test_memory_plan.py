@@ -1,4 +1,4 @@
-"""fedtune.memory_plan: the parameter counts of the real models, the bookkeeping of each sharding mode, and
+"""fedtune.train.memory_plan: the parameter counts of the real models, the bookkeeping of each sharding mode, and
 the per-process formula against the peak memory that a 2-process train run measures on CPU."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import unittest.mock
 
 import pytest
 
-from fedtune import memory_plan as mp
+from fedtune.train import memory_plan as mp
 from tests.train_runs import BLOCK_SIZE, env, make_site_data, run_training
 
 pytest_plugins = ["tests.train_fixtures"]
@@ -77,16 +77,16 @@ import torch, torch.distributed.checkpoint, datasets, transformers, accelerate
 import torch.distributed.checkpoint.state_dict, torch.distributed.tensor
 from torch.distributed.fsdp import fully_shard
 from transformers import LlamaForCausalLM
-import fedtune.backends, fedtune.blocks, fedtune.checkpoint, fedtune.distributed, fedtune.models
-import fedtune.loading, fedtune.tokenize, fedtune.train
-job = fedtune.distributed.start("cpu")
+import fedtune.train.backends, fedtune.tokenize.blocks, fedtune.train.checkpoint, fedtune.train.distributed, fedtune.core.models
+import fedtune.train.loading, fedtune.tokenize.shards, fedtune.train.loop
+job = fedtune.train.distributed.start("cpu")
 status = open("/proc/self/status").read()
 print(int(status.split("VmHWM:")[1].split()[0]) / 1024)
 """
 
 
 def test_formula_matches_the_peak_of_a_two_process_cpu_run(tmp_path, tiny_model_dir):
-    from fedtune.models import build_model, load_tokenizer, save_model
+    from fedtune.core.models import build_model, load_tokenizer, save_model
 
     model_dir = tmp_path / "model"
     tokenizer = load_tokenizer(tiny_model_dir)

@@ -1,4 +1,4 @@
-"""fedtune.progress: tqdm bars on a terminal, plain periodic lines in a log, and the stages that use it."""
+"""fedtune.core.progress: tqdm bars on a terminal, plain periodic lines in a log, and the stages that use it."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import io
 import re
 import time
 
-from fedtune import progress
+from fedtune.core import progress
 
 
 def test_plain_lines_in_a_log_and_a_final_line():
@@ -55,8 +55,8 @@ def test_heartbeat_reports_a_long_call_in_a_log(tmp_path):
 
 
 def test_evaluate_reports_its_batches(tiny_model_dir, capsys):
-    from fedtune.evaluate import score
-    from fedtune.models import load_causal_lm
+    from fedtune.core.models import load_causal_lm
+    from fedtune.evaluate.scores import score
 
     model = load_causal_lm(tiny_model_dir, dtype="float32")
     score(

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from fedtune.atomic import atomic_dir
-from fedtune.secrets import redact
+from fedtune.core.atomic import atomic_dir
+from fedtune.core.secrets import redact
 
 from .workflow_harness import ROOT, VENV_BIN, demo_config, job_counts, snakemake, write_config
 
@@ -71,7 +71,7 @@ def test_redact_masks_tokens_from_the_environment_and_by_shape(monkeypatch):
 def test_models_load_without_remote_code_by_default(tiny_model_dir, monkeypatch):
     import transformers
 
-    from fedtune.models import load_causal_lm
+    from fedtune.core.models import load_causal_lm
 
     seen = {}
     original = transformers.AutoModelForCausalLM.from_pretrained
@@ -103,7 +103,7 @@ def test_hostile_template_and_a_token_in_the_environment(hostile_workdir, monkey
     assert not list(hostile_workdir.rglob("PWNED*")), "a config value reached the shell unquoted"
     from datasets import load_from_disk
 
-    from fedtune.models import load_tokenizer
+    from fedtune.core.models import load_tokenizer
 
     tokenizer = load_tokenizer(hostile_workdir / "results/demo/model/base")
     first = load_from_disk(str(hostile_workdir / "results/demo/data/alpha/train/shard-0"))[0]["input_ids"]

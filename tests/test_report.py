@@ -8,7 +8,7 @@ import json
 import pandas as pd
 import pytest
 
-from fedtune.report import ReportError, main, parse_labelled, report
+from fedtune.report.build import ReportError, main, parse_labelled, report
 
 SITES = ["alpha", "beta"]
 
@@ -52,7 +52,7 @@ def write_site_runs(folder, rounds=2):
 
 
 def test_report_tables_and_figures(tmp_path, monkeypatch):
-    from fedtune.offline import OFFLINE_VARIABLES
+    from fedtune.core.offline import OFFLINE_VARIABLES
 
     for name in OFFLINE_VARIABLES:  # main() sets them; monkeypatch restores them afterwards
         monkeypatch.setenv(name, "0")
@@ -143,8 +143,8 @@ def test_no_pooled_model_no_gap(tmp_path):
 
 
 def write_task_scores(folder, rounds=2):
-    """fedtune.downstream's CSVs: base and the last round's models on a task and on a group of two."""
-    from fedtune.downstream import to_csv
+    """fedtune.evaluate.downstream's CSVs: base and the last round's models on a task and on a group of two."""
+    from fedtune.evaluate.downstream import to_csv
 
     paths = []
     for rnd, model in [(0, "base")] + [(rounds, m) for m in [*SITES, "aggregate"]]:

@@ -113,8 +113,8 @@ def test_the_example_plans_its_jobs_on_leonardo(smollm2_gguf, tmp_path, monkeypa
 def test_the_lora_example_adapts_attention_and_mlp_and_says_what_it_moves(smollm2_gguf, tmp_path):
     """config/examples/smollm2-it-cs-lora.yaml: the same run with LoRA on every attention and MLP
     projection, embeddings frozen; its dry run states an adapter's bytes from the GGUF file's shapes."""
-    from fedtune.adapter_size import transfer_bytes
-    from fedtune.gguf import model_config
+    from fedtune.aggregate.adapter_size import transfer_bytes
+    from fedtune.download.gguf import model_config
 
     lora = yaml.safe_load((ROOT / "config" / "examples" / "smollm2-it-cs-lora.yaml").read_text())
     full = yaml.safe_load(EXAMPLE.read_text())

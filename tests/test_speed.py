@@ -1,10 +1,10 @@
-"""fedtune.speed: the wrapping logic of each GPU speed option, on CPU (compilation itself is not run)."""
+"""fedtune.train.speed: the wrapping logic of each GPU speed option, on CPU (compilation itself is not run)."""
 
 from __future__ import annotations
 
 import torch
 
-from fedtune import speed
+from fedtune.train import speed
 from tests.conftest import TINY_ARCHITECTURE
 
 

@@ -1,4 +1,4 @@
-"""`python -m fedtune.status` on a run folder built by hand in the formats train writes: a finished
+"""`python -m fedtune.report.status` on a run folder built by hand in the formats train writes: a finished
 site, one mid-training (checkpoints + a newer log line), one waiting and one failed."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from fedtune import checkpoint
-from fedtune.status import collect, layout_from_config
+from fedtune.report.status import collect, layout_from_config
+from fedtune.train import checkpoint
 
 from .workflow_harness import ROOT, demo_config, write_config
 
@@ -111,7 +111,7 @@ def test_status_checkpoint_only_uses_the_checkpoints_loss(run, monkeypatch):
 def test_status_cli_prints_a_table(run):
     config_file, _ = run
     result = subprocess.run(
-        [sys.executable, "-m", "fedtune.status", "--configfile", str(config_file)],
+        [sys.executable, "-m", "fedtune.report.status", "--configfile", str(config_file)],
         cwd=config_file.parent, capture_output=True, text=True, env={"PYTHONPATH": str(ROOT), "PATH": ""},
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -133,7 +133,7 @@ def test_status_cli_prints_a_table(run):
 
 def test_status_names_a_missing_config(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "fedtune.status", "--configfile", str(tmp_path / "nope.yaml")],
+        [sys.executable, "-m", "fedtune.report.status", "--configfile", str(tmp_path / "nope.yaml")],
         cwd=tmp_path, capture_output=True, text=True, env={"PYTHONPATH": str(ROOT), "PATH": ""},
     )  # fmt: skip
     assert result.returncode == 2 and "nope.yaml: config file not found" in result.stderr

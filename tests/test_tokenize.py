@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from datasets import Dataset, DatasetDict, load_from_disk
 
-from fedtune.models import load_tokenizer
-from fedtune.tokenize import TokenizeError, main, tokenize_shard, verify_shard, write_manifest
+from fedtune.core.models import load_tokenizer
+from fedtune.tokenize.shards import TokenizeError, main, tokenize_shard, verify_shard, write_manifest
 
 from .conftest import ROOT, corpus
 
@@ -180,8 +180,8 @@ GUARD = textwrap.dedent(
         raise OSError("network refused by the test")
     socket.socket.connect = refuse
     socket.create_connection = refuse
-    sys.argv = ["fedtune.tokenize"] + sys.argv[1:]
-    runpy.run_module("fedtune.tokenize", run_name="__main__")
+    sys.argv = ["fedtune.tokenize.shards"] + sys.argv[1:]
+    runpy.run_module("fedtune.tokenize.shards", run_name="__main__")
     """
 )
 

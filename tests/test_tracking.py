@@ -1,4 +1,4 @@
-"""fedtune.tracking: rows like the train loop's loss.csv, evaluate's and aggregate's results, sent through
+"""fedtune.core.tracking: rows like the train loop's loss.csv, evaluate's and aggregate's results, sent through
 each backend and read back with the library's own reader (TensorBoard's EventAccumulator; the W&B
 offline run's .wandb file decoded with wandb's protobuf messages), compared with what was sent."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from fedtune import tracking
-from fedtune.config import ConfigError, check_config
+from fedtune.core import tracking
+from fedtune.core.config import ConfigError, check_config
 
 from .workflow_harness import demo_config
 
@@ -25,7 +25,7 @@ needs_wandb = pytest.mark.skipif(not HAVE_WANDB, reason="wandb missing: pip inst
 
 
 def loss_rows(steps: int = 12) -> list[str]:
-    """Rows formatted exactly as fedtune.train formats them."""
+    """Rows formatted exactly as fedtune.train.loop formats them."""
     rows = []
     for step in range(1, steps + 1):
         loss, lr, grad_norm, tps, peak = (

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import yaml
 
-from fedtune.blocks import BlockOrder, Blocks, DataError, manifest_shards
-from fedtune.config import ConfigError, TrainOptions
-from fedtune.schedule import learning_rate
-from fedtune.train import EXIT_USER_ERROR
+from fedtune.core.config import ConfigError, TrainOptions
+from fedtune.tokenize.blocks import BlockOrder, Blocks, DataError, manifest_shards
+from fedtune.train.loop import EXIT_USER_ERROR
+from fedtune.train.schedule import learning_rate
 from tests.train_runs import BLOCK_SIZE, LAUNCH, PYTHON, ROOT, env
 from tests.workflow_harness import demo_config, dry_run, write_config
 
@@ -168,7 +168,7 @@ def test_train_options_round_trip_through_their_json_form():
     assert again == options and again.betas == (0.8, 0.9)
     # Every key of the schema is a field, and nothing else is: the two cannot drift apart.
     assert set(options.to_dict()) == set(
-        yaml.safe_load((ROOT / "workflow/schemas/train.schema.yaml").read_text())["properties"]
+        yaml.safe_load((ROOT / "fedtune/schemas/train.schema.yaml").read_text())["properties"]
     )
     with pytest.raises(ConfigError, match="--options: not valid JSON"):
         TrainOptions.from_json("{nope")

@@ -159,7 +159,7 @@ date -d "@$FAKE_END" +%Y-%m-%dT%H:%M:%S
 
 STOPPABLE = f"""#!{sys.executable}
 # A stand-in training process (Python: it starts with SIGUSR1 ignored, as the launcher's processes do,
-# and installs a handler, as fedtune.train does): on SIGUSR1 it "checkpoints" and exits 75.
+# and installs a handler, as fedtune.train.loop does): on SIGUSR1 it "checkpoints" and exits 75.
 import os, pathlib, signal, sys, time
 
 def stop(signum, frame):

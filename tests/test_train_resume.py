@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from fedtune.train import EXIT_RETRY
+from fedtune.train.loop import EXIT_RETRY
 from tests.test_train_backends import assert_same_training
 from tests.train_runs import (
     BASE_OPTIONS,

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from fedtune.transfer import TransferError, fetch
+from fedtune.core.transfer import TransferError, fetch
 
 from .workflow_harness import demo_config, dry_run, job_counts, snakemake, write_config
 

@@ -42,8 +42,8 @@ def make_site_data(root: Path, tokenizer_dir: Path, *, blocks: int = 48, shards:
     import pyarrow as pa
     from datasets import Dataset
 
-    from fedtune.models import load_tokenizer
-    from fedtune.tokenize import arrow_files
+    from fedtune.core.models import load_tokenizer
+    from fedtune.tokenize.shards import arrow_files
     from tests.conftest import corpus
 
     tokenizer = load_tokenizer(tokenizer_dir)
@@ -87,7 +87,7 @@ def train_args(model_dir: Path, manifest: Path, run_dir: Path, options: dict, ex
     return [
         PYTHON,
         "-m",
-        "fedtune.train",
+        "fedtune.train.loop",
         "--site",
         "site",
         "--init",

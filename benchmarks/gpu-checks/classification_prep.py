@@ -7,9 +7,9 @@ from pathlib import Path
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import DistilBertConfig, DistilBertForMaskedLM, PreTrainedTokenizerFast
 
-from fedtune.demo_data import write_reviews
-from fedtune.download import download_data, download_model
-from fedtune.tokenize import tokenize_shard, write_manifest
+from fedtune.download.demo_data import write_reviews
+from fedtune.download.fetch import download_data, download_model
+from fedtune.tokenize.shards import tokenize_shard, write_manifest
 
 w = Path(sys.argv[1])
 write_reviews(w / "reviews")

@@ -26,8 +26,15 @@ from pathlib import Path
 
 import yaml
 
-from fedtune.atomic import atomic_dir, write_text
-from fedtune.config import ConfigError, check_config, deep_merge, load_config, torch_dtype, validate_section
+from fedtune.core.atomic import atomic_dir, write_text
+from fedtune.core.config import (
+    ConfigError,
+    check_config,
+    deep_merge,
+    load_config,
+    torch_dtype,
+    validate_section,
+)
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: example configs name files from there
 

@@ -26,7 +26,7 @@ if ADAPTERS and aggregates_here():
             mode=AGGREGATE["adapter_merge"],
             weights=AGGREGATE_WEIGHTS,
         shell:
-            "python -m fedtune.adapter_aggregate --output {output:q} --mode {params.mode}"
+            "python -m fedtune.aggregate.adapters --output {output:q} --mode {params.mode}"
             " --weights {params.weights:q} --adapters {params.models:q}"
             " --manifest {params.manifests:q} > {log:q} 2>&1"
 
@@ -52,5 +52,5 @@ if ADAPTERS:
         params:
             max_shard_size=AGGREGATE["max_shard_size"],
         shell:
-            "python -m fedtune.adapter_aggregate --merge {input.adapter:q} --base {input.start:q}"
+            "python -m fedtune.aggregate.adapters --merge {input.adapter:q} --base {input.start:q}"
             " --output {output:q} --max-shard-size {params.max_shard_size} > {log:q} 2>&1"

@@ -50,7 +50,7 @@ if aggregates_here() and not ADAPTERS:
             server_optimizer=to_json(AGGREGATE["server_optimizer"]),
             # With tracking on, the merge's record goes to the run's tracker after it is written.
             track=lambda wc, output: (
-                f" && python -m fedtune.tracking aggregate --path {output.model}/aggregate.json"
+                f" && python -m fedtune.core.tracking aggregate --path {output.model}/aggregate.json"
                 f" --round {wc.round} {tracking_args()}"
                 f" >> {shlex.quote(log_path('aggregate', f'round-{wc.round}'))} 2>&1"
                 if tracking_args()

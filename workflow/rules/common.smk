@@ -1,4 +1,4 @@
-# The config as objects (fedtune.config, where every rule of the config lives), the results layout and
+# The config as objects (fedtune.core.config, where every rule of the config lives), the results layout and
 # the input functions every rule file uses.
 import json
 import os
@@ -15,7 +15,7 @@ os.environ.update(
     )
 )
 
-from fedtune.config import ConfigError, build_run_config
+from fedtune.core.config import ConfigError, build_run_config
 
 try:
     # Fills in the defaults of `config` too, so rules may read plain sections from it.
@@ -138,14 +138,14 @@ def init_model_dir(round):
     return base_model_dir() if round == 1 else aggregate_model_dir(round - 1)
 
 
-# train.adapter: the sites train LoRA adapters (fedtune.adapters). Their model folders hold adapters,
+# train.adapter: the sites train LoRA adapters (fedtune.core.adapters). Their model folders hold adapters,
 # which are what moves between clusters; the round's aggregate adapter is merged into the round's start
 # model on every cluster (rule merge_adapter), and the next round starts from that with fresh adapters.
 ADAPTERS = any(site.train.adapter for site in RUN.sites.values())
 
 
 if ADAPTERS and not workflow.remote_exec:
-    from fedtune.adapter_size import transfer_lines
+    from fedtune.aggregate.adapter_size import transfer_lines
 
     for line in transfer_lines(RUN, base_model_dir()):
         print(line, file=sys.stderr)
@@ -231,7 +231,7 @@ def previous_optimizer(wildcards):
     return [site_optimizer_dir(int(wildcards.round) - 1, wildcards.site)]
 
 
-# Experiment tracking (fedtune.tracking): the stage CLIs' options from the config's tracking section.
+# Experiment tracking (fedtune.core.tracking): the stage CLIs' options from the config's tracking section.
 
 
 def tracking_args():
@@ -349,7 +349,7 @@ def task_args():
 def downstream_inputs():
     """The task YAMLs and their local data files (as the config check found them): an edit reruns the
     download and the scores."""
-    from fedtune.config import read_task_yaml, resolve_path, task_data_files
+    from fedtune.core.config import read_task_yaml, resolve_path, task_data_files
 
     files = []
     for task in DOWNSTREAM:

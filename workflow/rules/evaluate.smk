@@ -96,7 +96,7 @@ if RUN.pooled:
 
 # Downstream tasks (evaluate.tasks): lm-eval on the data the download stage put in the run folder.
 TASKS_SHELL = (
-    "python -m fedtune.downstream --model {input.model:q} {params.base} --tasks-dir {input.tasks:q}"
+    "python -m fedtune.evaluate.downstream --model {input.model:q} {params.base} --tasks-dir {input.tasks:q}"
     " --batch-size {params.batch_size} {params.options}"
     " --label {params.label} --round {params.round} --out {output:q} > {log:q} 2>&1"
 )

@@ -1,4 +1,4 @@
-# Scaling sweep (config `sweep`, workflow/schemas/sweep.schema.yaml): the swept site trains once per
+# Scaling sweep (config `sweep`, fedtune/schemas/sweep.schema.yaml): the swept site trains once per
 # value, each job from the base model with that value's options (SWEEP_POINTS, common.smk), and
 # sweep_report compares the runs. Only where the site trains; the jobs record training.json and
 # loss.csv, no weights.
@@ -57,5 +57,5 @@ rule sweep_report:
         out=lambda wc, output: os.path.dirname(output.csv),
         axis=RUN.sweep_axis,
     shell:
-        "python -m fedtune.sweep report --out {params.out:q} --axis {params.axis}"
+        "python -m fedtune.report.sweep report --out {params.out:q} --axis {params.axis}"
         " --run {input.runs:q} > {log:q} 2>&1"

@@ -20,7 +20,7 @@ rule fetch_site_model:
         ),
         hint=lambda wc, output: fetch_hint(site_cluster(wc.site), output[0]),
     shell:
-        "python -m fedtune.transfer --source {params.source:q} --out {output:q}"
+        "python -m fedtune.core.transfer --source {params.source:q} --out {output:q}"
         " --hint {params.hint:q} > {log:q} 2>&1"
 
 
@@ -42,7 +42,7 @@ rule fetch_manifest:
         ),
         hint=lambda wc, output: fetch_hint(site_cluster(wc.site), output[0]),
     shell:
-        "python -m fedtune.transfer --source {params.source:q} --out {output:q}"
+        "python -m fedtune.core.transfer --source {params.source:q} --out {output:q}"
         " --hint {params.hint:q} > {log:q} 2>&1"
 
 
@@ -71,5 +71,5 @@ if not aggregates_here():
             ),
             hint=lambda wc, output: fetch_hint(AGGREGATE_ON, output[0]),
         shell:
-            "python -m fedtune.transfer --source {params.source:q} --out {output:q}"
+            "python -m fedtune.core.transfer --source {params.source:q} --out {output:q}"
             " --hint {params.hint:q} > {log:q} 2>&1"

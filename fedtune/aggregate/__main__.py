@@ -1,0 +1,3 @@
+from fedtune.aggregate.merge import main
+
+raise SystemExit(main())

@@ -1,0 +1,850 @@
+"""Aggregate the sites' LoRA adapters (PEFT folders: adapter_config.json, adapter_model.safetensors) into
+one adapter, and optionally into the base model's weights. Two modes, named by what they do:
+
+- `exact`: the weighted mean of the sites' updates, sum_i w_i s_i B_i A_i (s_i = lora_alpha / r, or
+  lora_alpha / sqrt(r) with use_rslora), kept as one adapter of rank sum_i r_i by stacking the factors:
+  B = [w_1 s_1 B_1 ... w_k s_k B_k], A = [A_1; ...; A_k], with lora_alpha = r so that peft's scaling is 1.
+  Sites may use different ranks and alphas.
+- `average_factors`: B = sum_i w_i B_i, A = sum_i w_i A_i, what FlowerTune and OpenFedLLM do. It stays at
+  rank r, but mean(B) mean(A) is not the mean of the updates (cross terms B_i A_j); it needs every site at
+  the same rank and scaling.
+
+Tensors the sites train whole (peft's modules_to_save, such as a classification head, and trained biases)
+are averaged in both modes. `--merge-into BASE` also writes a full HF model: the base's tensors streamed
+through, base + the aggregate's update for each adapted weight (transposed for fan_in_fan_out layers such
+as GPT-2's Conv1D), the averaged whole tensors in place of the base's, every other tensor copied.
+
+Adapters are small (tens of MB for a 7B model), so they are read whole; only the base model is
+streamed, with fedtune.core.safetensors_stream. Every check runs before the first byte is written, and each
+output folder appears by one rename (fedtune.core.atomic)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from fedtune.aggregate.adapter_size import pattern_value
+from fedtune.aggregate.merge import parse_pairs, parse_size
+from fedtune.aggregate.model_compat import CONFIG_FILE, COPIED_FILES
+from fedtune.core import offline
+from fedtune.core.atomic import atomic_dir, write_json
+from fedtune.core.checksums import sha256_file
+from fedtune.core.config import ConfigError, UserError, check_weights, torch_dtype
+from fedtune.core.models import record_checksums, verify_checksums
+from fedtune.core.safetensors_stream import (
+    ST_DTYPES,
+    FolderReader,
+    OutTensor,
+    ShardedOutput,
+    TensorInfo,
+    WeightsError,
+    file_order,
+    listing,
+    plan_shards,
+    read_header,
+    read_weights,
+)
+
+MODES = ("exact", "average_factors")
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+RECORD = "aggregate.json"
+OUTPUT_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# peft's saved keys: base_model.model.<module path>.lora_A.weight; no adapter name in the file.
+PREFIX = "base_model.model."
+LORA_A = ".lora_A.weight"
+LORA_B = ".lora_B.weight"
+# Config switches that make an adapter more than B A on top of the base; averaging would silently drop
+# what they add, so such adapters are refused.
+UNSUPPORTED = {
+    "use_dora": "DoRA's magnitude vector is not linear in the sites' updates",
+    "lora_bias": "lora_B biases are not aggregated",
+    "trainable_token_indices": "trainable tokens are not aggregated",
+    "layer_replication": "replicated layers share weights the merge would write twice",
+    "target_parameters": "LoRA on bare parameters (MoE experts) is not aggregated",
+    "alora_invocation_tokens": "activated LoRA applies only after its invocation tokens",
+    "use_qalora": "QA-LoRA pools its inputs",
+    "use_bdlora": "block-diagonal LoRA is not aggregated",
+}
+# These initialisations rewrite the base weights as well (residuals of an SVD or a quantisation), so the
+# update B A is relative to a base that no site folder holds.
+BASE_REWRITING_INITS = ("pissa", "corda", "olora", "loftq")
+
+
+class AdapterAggregateError(WeightsError):
+    """Adapters that cannot be aggregated, or bad options: the message names the folder, key and value."""
+
+
+@dataclass
+class LoraModule:
+    """One adapted linear layer of one site: A (r x in), B (out x r), scaling s."""
+
+    a_key: str
+    b_key: str
+    r: int
+    fan_in: int
+    fan_out: int
+    alpha: float
+    scaling: float
+
+
+@dataclass
+class Adapter:
+    """One site's PEFT LoRA folder, read and checked (no tensor data loaded)."""
+
+    site: str
+    path: Path
+    config: dict
+    tensors: dict[str, TensorInfo]  # every tensor of adapter_model.safetensors
+    modules: dict[str, LoraModule]  # module path (base_model.model. removed) -> factors
+    whole: list[str]  # keys of tensors trained whole (modules_to_save, biases)
+    files: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"adapter {self.site} ({self.path})" if str(self.path) != self.site else f"adapter {self.path}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reading and checking the adapters
+
+
+def scaling(alpha: float, r: int, rslora: bool) -> float:
+    """peft's LoRA scaling: lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora."""
+    return alpha / math.sqrt(r) if rslora else alpha / r
+
+
+def read_adapter(site: str, path: str | Path) -> Adapter:
+    """The config and tensor table of one PEFT LoRA folder, checked against each other."""
+    path = Path(path)
+    who = f"adapter {path}"
+    if not path.is_dir():
+        raise AdapterAggregateError(f"{who}: folder not found")
+    config_path, weights_path = path / ADAPTER_CONFIG, path / ADAPTER_WEIGHTS
+    for needed in (config_path, weights_path):
+        if not needed.is_file():
+            hint = (
+                " (adapter_model.bin is not read: save with safe_serialization)"
+                if needed == weights_path
+                else ""
+            )
+            raise AdapterAggregateError(f"{who}: {needed.name} missing{hint}")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise AdapterAggregateError(f"{config_path}: not valid JSON: {e}") from None
+    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
+        peft_type = config.get("peft_type") if isinstance(config, dict) else None
+        raise AdapterAggregateError(
+            f"{config_path}: peft_type {peft_type!r}, only LORA adapters are aggregated"
+        )
+    for key, why in UNSUPPORTED.items():
+        if config.get(key):
+            raise AdapterAggregateError(f"{config_path}: {key} = {config[key]!r} is not supported: {why}")
+    init = config.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(BASE_REWRITING_INITS):
+        raise AdapterAggregateError(
+            f"{config_path}: init_lora_weights = {init!r} changes the base weights too; convert the adapter "
+            "to a plain LoRA first (peft's path_initial_model_for_weight_conversion)"
+        )
+    r, alpha = config.get("r"), config.get("lora_alpha")
+    if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
+        raise AdapterAggregateError(f"{config_path}: r = {r!r} is not a positive integer")
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool):
+        raise AdapterAggregateError(f"{config_path}: lora_alpha = {alpha!r} is not a number")
+    rslora = bool(config.get("use_rslora", False))
+    rank_pattern = config.get("rank_pattern") or {}
+    alpha_pattern = config.get("alpha_pattern") or {}
+
+    try:
+        header = read_header(weights_path)
+        start = header.pop("_data_start")
+        tensors: dict[str, TensorInfo] = {}
+        for key, meta in header.items():
+            begin, end = meta["data_offsets"]
+            tensors[key] = TensorInfo(
+                meta["dtype"], tuple(meta["shape"]), ADAPTER_WEIGHTS, start + begin, end - begin
+            )
+    except (ValueError, KeyError, TypeError) as e:
+        # JSON errors are ValueErrors; a header of the wrong shape fails on its keys.
+        raise AdapterAggregateError(
+            f"{weights_path}: not a safetensors file ({type(e).__name__}: {e})"
+        ) from None
+    for key, info in tensors.items():
+        if info.dtype not in ST_DTYPES or not ST_DTYPES[info.dtype].is_floating_point:
+            raise AdapterAggregateError(f"{weights_path}: tensor {key} has dtype {info.dtype}, not a float")
+    if not tensors:
+        raise AdapterAggregateError(f"{weights_path}: holds no tensors")
+
+    factors: dict[str, dict[str, str]] = {}
+    whole = []
+    for key in tensors:
+        if not key.startswith(PREFIX):
+            raise AdapterAggregateError(
+                f"{weights_path}: tensor {key} does not start with {PREFIX} (not a LoRA adapter of a transformers model)"
+            )
+        for suffix, which in ((LORA_A, "A"), (LORA_B, "B")):
+            if key.endswith(suffix):
+                factors.setdefault(key[len(PREFIX) : -len(suffix)], {})[which] = key
+                break
+        else:
+            if ".lora_" in key:
+                raise AdapterAggregateError(
+                    f"{weights_path}: tensor {key} is not supported (only lora_A/lora_B of linear layers are "
+                    "aggregated: no embedding, convolution or DoRA adapters)"
+                )
+            whole.append(key)
+    modules: dict[str, LoraModule] = {}
+    for module, pair in sorted(factors.items()):
+        if set(pair) != {"A", "B"}:
+            missing = "lora_B" if "A" in pair else "lora_A"
+            raise AdapterAggregateError(f"{weights_path}: module {module} has no {missing} weight")
+        a, b = tensors[pair["A"]].shape, tensors[pair["B"]].shape
+        if len(a) != 2 or len(b) != 2 or a[0] != b[1]:
+            raise AdapterAggregateError(
+                f"{weights_path}: module {module}: lora_A {list(a)} and lora_B {list(b)} are not r x in and out x r"
+            )
+        rank = a[0]
+        expected = pattern_value(rank_pattern, module, r)
+        if rank != expected:
+            raise AdapterAggregateError(
+                f"{config_path}: module {module} has rank {rank} in {ADAPTER_WEIGHTS}, but the config says "
+                f"r = {expected}" + (" (rank_pattern)" if expected != r else "")
+            )
+        module_alpha = pattern_value(alpha_pattern, module, alpha)
+        modules[module] = LoraModule(
+            pair["A"], pair["B"], rank, a[1], b[0], module_alpha, scaling(module_alpha, rank, rslora)
+        )
+    if not modules:
+        raise AdapterAggregateError(f"{weights_path}: no lora_A/lora_B weights")
+    files = {ADAPTER_CONFIG: config_path.stat().st_size, ADAPTER_WEIGHTS: weights_path.stat().st_size}
+    return Adapter(site, path, config, tensors, modules, sorted(whole), files)
+
+
+def _ranks(adapter: Adapter) -> str:
+    """The ranks of an adapter in a message: one number, or each distinct one with its module count."""
+    counts: dict[int, int] = {}
+    for m in adapter.modules.values():
+        counts[m.r] = counts.get(m.r, 0) + 1
+    if len(counts) == 1:
+        return f"r={next(iter(counts))}"
+    return "r=" + "/".join(f"{r} ({n} modules)" for r, n in sorted(counts.items()))
+
+
+def check_adapters(adapters: Sequence[Adapter], mode: str) -> list[str]:
+    """Raise AdapterAggregateError listing every way the adapters cannot be aggregated in `mode`;
+    returns warnings (differences that do not change the result)."""
+    ref = adapters[0]
+    problems, warnings = [], []
+    for key in ("fan_in_fan_out", "task_type"):
+        values = {a.label: a.config.get(key) for a in adapters}
+        if len(set(map(json.dumps, values.values()))) > 1:
+            problems.append(f"{key} differs: " + ", ".join(f"{w}: {v!r}" for w, v in values.items()))
+    for a in adapters[1:]:
+        missing = sorted(set(ref.modules) - set(a.modules))
+        extra = sorted(set(a.modules) - set(ref.modules))
+        if missing or extra:
+            problems.append(
+                f"target modules differ: {a.label} lacks {listing(missing) or 'none'} and adds "
+                f"{listing(extra) or 'none'} compared with {ref.label} "
+                f"(target_modules {a.config.get('target_modules')!r} vs {ref.config.get('target_modules')!r})"
+            )
+        for name in sorted(set(ref.modules) & set(a.modules)):
+            m, n = ref.modules[name], a.modules[name]
+            if (m.fan_in, m.fan_out) != (n.fan_in, n.fan_out):
+                problems.append(
+                    f"module {name}: {ref.label} is {m.fan_in} -> {m.fan_out}, {a.label} is {n.fan_in} -> {n.fan_out}"
+                )
+        if a.whole != ref.whole:
+            problems.append(
+                f"tensors trained whole (modules_to_save) differ: {a.label} has {listing(a.whole) or 'none'}, "
+                f"{ref.label} has {listing(ref.whole) or 'none'}"
+            )
+        else:
+            for key in a.whole:
+                if a.tensors[key].shape != ref.tensors[key].shape:
+                    problems.append(
+                        f"tensor {key}: {list(a.tensors[key].shape)} in {a.label}, "
+                        f"{list(ref.tensors[key].shape)} in {ref.label}"
+                    )
+    if mode == "average_factors" and not problems:
+        unequal = [
+            name
+            for name in ref.modules
+            if len({(a.modules[name].r, a.modules[name].scaling) for a in adapters}) > 1
+        ]
+        if unequal:
+            problems.append(
+                f"average_factors needs every site at the same rank and scaling (lora_alpha, use_rslora); "
+                f"{len(unequal)} module(s) differ, e.g. {unequal[0]}: "
+                + ", ".join(
+                    f"{a.path}: r={a.modules[unequal[0]].r} lora_alpha={a.modules[unequal[0]].alpha}"
+                    f" use_rslora={bool(a.config.get('use_rslora'))} ({_ranks(a)})"
+                    for a in adapters
+                )
+                + "; use --mode exact, which takes any ranks"
+            )
+    if problems:
+        raise AdapterAggregateError("the adapters cannot be aggregated:\n  " + "\n  ".join(problems))
+    bases = {a.config.get("base_model_name_or_path") for a in adapters}
+    if len(bases) > 1:
+        warnings.append(f"the adapters name different base models: {sorted(map(str, bases))}")
+    return warnings
+
+
+def resolve_weights(
+    weights: Sequence[float] | None, adapters: Sequence[Adapter]
+) -> tuple[str, dict[str, float]]:
+    """(source, raw weight per site); one number per adapter, in the order the adapters were given."""
+    sites = [a.site for a in adapters]
+    if weights is None:
+        return "uniform", {site: 1.0 for site in sites}
+    weights = list(weights)
+    if len(weights) != len(sites):
+        raise AdapterAggregateError(
+            f"--weights: {len(weights)} weight(s) {weights} for {len(sites)} adapter(s) {sites}: give one per adapter"
+        )
+    bad = [
+        w
+        for w in weights
+        if not isinstance(w, int | float) or isinstance(w, bool) or not math.isfinite(w) or w < 0
+    ]
+    if bad:
+        raise AdapterAggregateError(f"--weights: {bad} are not finite non-negative numbers")
+    raw = dict(zip(sites, map(float, weights), strict=True))
+    try:
+        check_weights(raw, sites, "--weights")
+    except ConfigError as e:
+        raise AdapterAggregateError(str(e)) from None
+    return "explicit", raw
+
+
+# ---------------------------------------------------------------------------------------------------
+# The aggregate adapter
+
+
+def _load(adapter: Adapter) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(adapter.path / ADAPTER_WEIGHTS)
+
+
+def aggregate_factors(
+    adapters: Sequence[Adapter],
+    tensors: Sequence[Mapping[str, torch.Tensor]],
+    weights: Sequence[float],
+    mode: str,
+) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor], int, float]:
+    """The aggregate in fp32: (module -> (B, A), whole tensor key -> mean, rank, scaling), so that each
+    module's update is scaling * B @ A. In exact mode modules whose summed rank is below the largest are
+    padded with zeros (their rows add nothing), so that one r describes the adapter without rank_pattern."""
+    ref = adapters[0]
+    factors = {}
+    for name in ref.modules:
+        if mode == "exact":
+            bs = [
+                w * a.modules[name].scaling * t[a.modules[name].b_key].float()
+                for a, t, w in zip(adapters, tensors, weights, strict=True)
+            ]
+            as_ = [t[a.modules[name].a_key].float() for a, t in zip(adapters, tensors, strict=True)]
+            factors[name] = (torch.cat(bs, dim=1), torch.cat(as_, dim=0))
+        else:
+            b = sum(
+                w * t[a.modules[name].b_key].float()
+                for a, t, w in zip(adapters, tensors, weights, strict=True)
+            )
+            a_ = sum(
+                w * t[a.modules[name].a_key].float()
+                for a, t, w in zip(adapters, tensors, weights, strict=True)
+            )
+            factors[name] = (b, a_)
+    if mode == "exact":
+        rank = max(b.shape[1] for b, _ in factors.values())
+        for name, (b, a) in factors.items():
+            if b.shape[1] < rank:
+                pad = rank - b.shape[1]
+                factors[name] = (
+                    torch.nn.functional.pad(b, (0, pad)),
+                    torch.nn.functional.pad(a, (0, 0, 0, pad)),
+                )
+        scale = 1.0
+    else:
+        rank = ref.config["r"]
+        scale = None  # each module keeps the sites' (equal) scaling
+    whole = {key: sum(w * t[key].float() for t, w in zip(tensors, weights, strict=True)) for key in ref.whole}
+    return factors, whole, rank, scale
+
+
+def adapter_config(ref: Adapter, mode: str, rank: int) -> dict:
+    """The output's adapter_config.json: the first site's, with the rank and scaling of the aggregate."""
+    config = dict(ref.config)
+    if mode == "exact":
+        # lora_alpha = r and no rsLoRA make peft's scaling exactly 1: the site scalings are in B already.
+        config.update(
+            {"r": rank, "lora_alpha": rank, "use_rslora": False, "rank_pattern": {}, "alpha_pattern": {}}
+        )
+    # Loading must not initialise anything from data or the base (eva): the weights are given.
+    config["init_lora_weights"] = True
+    config["inference_mode"] = True
+    return config
+
+
+def _out_dtype(dtype: str, stored: str) -> torch.dtype:
+    return ST_DTYPES[stored] if dtype == "auto" else torch_dtype(dtype)
+
+
+def _write_adapter(
+    out: Path, ref: Adapter, config: dict, factors: Mapping, whole: Mapping, dtype: str
+) -> dict[str, torch.Tensor]:
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for name, (b, a) in factors.items():
+        m = ref.modules[name]
+        tensors[m.a_key] = a.to(_out_dtype(dtype, ref.tensors[m.a_key].dtype)).contiguous()
+        tensors[m.b_key] = b.to(_out_dtype(dtype, ref.tensors[m.b_key].dtype)).contiguous()
+    for key, value in whole.items():
+        tensors[key] = value.to(_out_dtype(dtype, ref.tensors[key].dtype)).contiguous()
+    save_file(tensors, out / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    os.chmod(out / ADAPTER_WEIGHTS, 0o644)
+    write_json(out / ADAPTER_CONFIG, config)
+    return tensors
+
+
+# ---------------------------------------------------------------------------------------------------
+# Merged into the base model
+
+
+def _base_key(adapter_key: str) -> str:
+    return adapter_key[len(PREFIX) :]
+
+
+def plan_merge(base, ref: Adapter) -> dict[str, str]:
+    """Base tensor name -> what replaces it ("lora:<module>" or "whole:<adapter key>"), checked against
+    the base's names and shapes."""
+    fan_in_fan_out = bool(ref.config.get("fan_in_fan_out"))
+    plan, problems = {}, []
+    for name, m in ref.modules.items():
+        key = f"{name}.weight"
+        info = base.tensors.get(key)
+        expected = (m.fan_in, m.fan_out) if fan_in_fan_out else (m.fan_out, m.fan_in)
+        if info is None:
+            problems.append(f"{m.a_key}: the base has no tensor {key}")
+        elif info.shape != expected:
+            problems.append(
+                f"{key}: {list(info.shape)} in the base, the adapter's update is {list(expected)}"
+                + (" (fan_in_fan_out)" if fan_in_fan_out else "")
+            )
+        else:
+            plan[key] = f"lora:{name}"
+    for adapter_key in ref.whole:
+        key = _base_key(adapter_key)
+        info = base.tensors.get(key)
+        if info is None:
+            problems.append(f"{adapter_key}: the base has no tensor {key} (tied to the embeddings?)")
+        elif info.shape != ref.tensors[adapter_key].shape:
+            problems.append(
+                f"{key}: {list(info.shape)} in the base, {list(ref.tensors[adapter_key].shape)} in the adapters"
+            )
+        else:
+            plan[key] = f"whole:{adapter_key}"
+    if problems:
+        raise AdapterAggregateError(
+            f"the adapters do not fit the base model {base.path}:\n  " + "\n  ".join(problems)
+        )
+    return plan
+
+
+def read_base(path: str | Path):
+    path = Path(path)
+    who = f"--merge-into {path}"
+    if not path.is_dir():
+        raise AdapterAggregateError(f"{who}: model folder not found")
+    if not (path / CONFIG_FILE).is_file():
+        raise AdapterAggregateError(f"{who}: no config.json (not a save_pretrained folder)")
+    base = read_weights("base", path, who)
+    for name in COPIED_FILES:
+        if (path / name).is_file():
+            base.files[name] = (path / name).stat().st_size
+    return base
+
+
+def write_merged(
+    out: Path,
+    base,
+    plan: Mapping[str, str],
+    factors: Mapping,
+    whole: Mapping,
+    scale: float | None,
+    ref: Adapter,
+    max_shard_size: int,
+) -> tuple[dict, dict]:
+    """Stream the base through: adapted weights get scaling * B @ A (fp32, then the base's dtype), whole
+    tensors are replaced, the rest copied. Returns the output's record and the base's record."""
+    fan_in_fan_out = bool(ref.config.get("fan_in_fan_out"))
+    tensors = [
+        OutTensor(n, ST_DTYPES[base.tensors[n].dtype], base.tensors[n].shape, base.tensors[n].numel)
+        for n in file_order(base)
+    ]
+    shards = plan_shards(tensors, max_shard_size)
+    order = [t for shard in shards for t in shard]
+    with contextlib.ExitStack() as stack:
+        reader = FolderReader([base], [[[t.name] for t in order]], True)
+        stack.callback(reader.shutdown)
+        output = ShardedOutput(out, shards, True)
+        stack.callback(output.shutdown)
+        for k, t in enumerate(order):
+            reader.reached(k)
+            src = reader.get(0, t.name)
+            slot, result = output.slot(t)
+            what = plan.get(t.name, "")
+            if what.startswith("lora:"):
+                name = what[len("lora:") :]
+                b, a = factors[name]
+                s = ref.modules[name].scaling if scale is None else scale
+                update = (b @ a).mul_(s)
+                if fan_in_fan_out:
+                    update = update.T
+                # Not in place: src is the (copy-on-write) map of the base, whose bytes are being hashed.
+                result.copy_(src.float() + update.reshape(-1))
+            elif what.startswith("whole:"):
+                result.copy_(whole[what[len("whole:") :]].reshape(-1))
+            else:
+                result.copy_(src)
+            output.put(t, slot)
+        record = output.finish()
+        digests = reader.digests()
+    base_digests = {name: d for (_, name), d in digests.items()}
+    # The base was hashed while being read: compare with what its writer recorded, for free.
+    verify_checksums(base.path, base_digests)
+    record_checksums(out, {name: f["sha256"] for name, f in record["files"].items()})
+    for name in COPIED_FILES:
+        if (base.path / name).is_file():
+            shutil.copyfile(base.path / name, out / name)
+            os.chmod(out / name, 0o644)
+    base_record = {
+        "model_dir": str(base.path),
+        "bytes": sum(base.files[f] for f in base.weight_files),
+        "files": {f: {"bytes": base.files[f], "sha256": base_digests.get(f)} for f in base.weight_files},
+    }
+    return record, base_record
+
+
+# ---------------------------------------------------------------------------------------------------
+# The whole run
+
+
+def aggregate_adapters(
+    adapters: Sequence[str | Path] | Mapping[str, str | Path],
+    out_dir: str | Path,
+    *,
+    mode: str = "exact",
+    weights: Sequence[float] | None = None,
+    dtype: str = "auto",
+    merge_into: str | Path | None = None,
+    merged_out: str | Path | None = None,
+    max_shard_size: str | int = "5GB",
+) -> dict:
+    """Aggregate PEFT LoRA folders (a list, or site -> folder) into the adapter folder `out_dir`; with
+    `merge_into` (a base model folder) also into a full model at `merged_out` (default out_dir/merged).
+    `weights`: one number per adapter (normalised here), default uniform. Returns aggregate.json."""
+    started = time.perf_counter()
+    if mode not in MODES:
+        raise AdapterAggregateError(f"--mode: {mode!r} is not one of {', '.join(MODES)}")
+    if dtype not in OUTPUT_DTYPES:
+        raise AdapterAggregateError(f"--dtype: {dtype!r} is not one of {', '.join(OUTPUT_DTYPES)}")
+    if merged_out is not None and merge_into is None:
+        raise AdapterAggregateError("--merged-output needs --merge-into (the base model to merge into)")
+    if merged_out is not None and Path(merged_out).resolve() == Path(out_dir).resolve():
+        raise AdapterAggregateError(f"--merged-output {merged_out} is the adapter's --output folder")
+    pairs = list(adapters.items()) if isinstance(adapters, Mapping) else [(str(p), p) for p in adapters]
+    if not pairs:
+        raise AdapterAggregateError("no adapters given (--adapters DIR ...)")
+    seen: dict[Path, str] = {}
+    for site, path in pairs:
+        real = Path(path).resolve()
+        if real in seen:
+            raise AdapterAggregateError(f"{seen[real]} and {site} are the same adapter folder {path}")
+        seen[real] = site
+    shard_limit = parse_size(max_shard_size)
+    loaded = [read_adapter(site, path) for site, path in pairs]
+    source, raw = resolve_weights(weights, loaded)
+    total = sum(raw.values())
+    normalised = {site: w / total for site, w in raw.items()}
+    warnings = check_adapters(loaded, mode)
+    ref = loaded[0]
+    base = plan = None
+    if merge_into is not None:
+        base = read_base(merge_into)
+        plan = plan_merge(base, ref)
+
+    input_digests = [{name: sha256_file(a.path / name) for name in a.files} for a in loaded]
+    for a, digests in zip(loaded, input_digests, strict=True):
+        # Adapters written by fedtune's train carry fedtune-checksums.json; others (peft's own) pass.
+        verify_checksums(a.path, {ADAPTER_WEIGHTS: digests[ADAPTER_WEIGHTS]})
+    tensors = [_load(a) for a in loaded]
+    n_weights = [normalised[a.site] for a in loaded]
+    factors, whole, rank, scale = aggregate_factors(loaded, tensors, n_weights, mode)
+    config = adapter_config(ref, mode, rank)
+    out_dir = Path(out_dir)
+    merged_dir = Path(merged_out) if merged_out is not None else out_dir / "merged"
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(atomic_dir(out_dir))
+        merged_tmp = None
+        if base is not None:
+            # Inside out_dir the merged model shares its rename; elsewhere it gets its own.
+            inside = merged_dir.resolve().parent == out_dir.resolve()
+            merged_tmp = tmp / merged_dir.name if inside else stack.enter_context(atomic_dir(merged_dir))
+            merged_tmp.mkdir(exist_ok=True)
+        _write_adapter(tmp, ref, config, factors, whole, dtype)
+        digests = {ADAPTER_WEIGHTS: sha256_file(tmp / ADAPTER_WEIGHTS)}
+        record_checksums(tmp, digests)
+        inputs = [
+            {
+                "site": a.site,
+                "adapter_dir": str(a.path),
+                "r": sorted({m.r for m in a.modules.values()}),
+                "lora_alpha": a.config.get("lora_alpha"),
+                "use_rslora": bool(a.config.get("use_rslora")),
+                "scaling": sorted({m.scaling for m in a.modules.values()}),
+                "bytes": a.files[ADAPTER_WEIGHTS],
+                "files": {name: {"bytes": size, "sha256": d[name]} for name, size in a.files.items()},
+            }
+            for a, d in zip(loaded, input_digests, strict=True)
+        ]
+        padded = (
+            sum(1 for name in ref.modules if sum(a.modules[name].r for a in loaded) < rank)
+            if mode == "exact"
+            else 0
+        )
+        output = {
+            "adapter_dir": str(out_dir),
+            "r": rank,
+            "lora_alpha": config["lora_alpha"],
+            "use_rslora": bool(config.get("use_rslora")),
+            "modules": len(ref.modules),
+            "padded_modules": padded,
+            "whole_tensors": ref.whole,
+            "bytes": (tmp / ADAPTER_WEIGHTS).stat().st_size,
+            "files": {
+                ADAPTER_WEIGHTS: {
+                    "bytes": (tmp / ADAPTER_WEIGHTS).stat().st_size,
+                    "sha256": digests[ADAPTER_WEIGHTS],
+                }
+            },
+        }
+        bytes_read = sum(a.files[ADAPTER_WEIGHTS] for a in loaded)
+        bytes_written = output["bytes"]
+        record = {
+            "method": f"lora_{mode}",
+            "mode": mode,
+            "weights": {"source": source, "raw": raw, "normalised": normalised},
+            "dtype": dtype,
+            "inputs": inputs,
+            "output": output,
+            "merged": None,
+            "warnings": warnings,
+        }
+        if base is not None:
+            merged, base_record = write_merged(
+                merged_tmp, base, plan, factors, whole, scale, ref, shard_limit
+            )
+            record["merged"] = {
+                "model_dir": str(merged_dir),
+                "base": base_record,
+                "adapted_tensors": sum(v.startswith("lora:") for v in plan.values()),
+                "replaced_tensors": sum(v.startswith("whole:") for v in plan.values()),
+                **merged,
+            }
+            bytes_read += base_record["bytes"]
+            bytes_written += merged["bytes"]
+        record["bytes_read"] = bytes_read
+        record["bytes_written"] = bytes_written
+        record["wall_time_s"] = round(time.perf_counter() - started, 3)
+        write_json(tmp / RECORD, record)
+        if merged_tmp is not None:
+            write_json(merged_tmp / RECORD, record)
+    for warning in warnings:
+        _log(f"warning: {warning}")
+    _log(
+        f"{mode} of {len(loaded)} adapters ({', '.join(_ranks(a) for a in loaded)}) -> r={rank}: {out_dir}"
+        + (f"; merged into {merge_into}: {merged_dir}" if base is not None else "")
+        + f" in {record['wall_time_s']:.1f} s"
+    )
+    return record
+
+
+def merge_adapter(
+    adapter_dir: str | Path, base_dir: str | Path, out_dir: str | Path, *, max_shard_size: str | int = "5GB"
+) -> dict:
+    """The full model base + the update of one adapter (the round's aggregate): what every cluster makes
+    for itself from the adapter that crossed, so that all start the next round from the same weights."""
+    started = time.perf_counter()
+    adapter = read_adapter("aggregate", adapter_dir)
+    check_adapters([adapter], "exact")
+    base = read_base(base_dir)
+    plan = plan_merge(base, adapter)
+    verify_checksums(adapter.path, {ADAPTER_WEIGHTS: sha256_file(adapter.path / ADAPTER_WEIGHTS)})
+    # As written, at weight 1: the aggregate's scaling stays in its config (1 for an exact aggregate).
+    tensors = _load(adapter)
+    factors = {
+        name: (tensors[m.b_key].float(), tensors[m.a_key].float()) for name, m in adapter.modules.items()
+    }
+    whole = {key: tensors[key].float() for key in adapter.whole}
+    with atomic_dir(Path(out_dir)) as tmp:
+        merged, base_record = write_merged(
+            tmp, base, plan, factors, whole, None, adapter, parse_size(max_shard_size)
+        )
+        record = {
+            "method": "lora_merge",
+            "adapter_dir": str(adapter_dir),
+            "adapted_tensors": sum(v.startswith("lora:") for v in plan.values()),
+            "replaced_tensors": sum(v.startswith("whole:") for v in plan.values()),
+            "base": base_record,
+            **merged,
+            "wall_time_s": round(time.perf_counter() - started, 3),
+        }
+        write_json(tmp / RECORD, record)
+    _log(f"merged {adapter_dir} into {base_dir}: {out_dir} in {record['wall_time_s']:.1f} s")
+    return record
+
+
+def numeric_weights(
+    spec: Sequence[str] | None, sites: Sequence[str], manifests: Mapping[str, Path]
+) -> list[float] | None:
+    """--weights as numbers in the adapters' order: numbers as given, or tokens / uniform / a JSON
+    mapping site -> number as fedtune.aggregate.merge reads them (tokens from the sites' manifests)."""
+    from fedtune.aggregate.merge import AggregateError, manifest_tokens
+    from fedtune.aggregate.merge import resolve_weights as resolve_named
+
+    if spec is None:
+        return None
+    if len(spec) == 1 and not _is_number(spec[0]):
+        unknown = sorted(set(manifests) - set(sites))
+        if unknown:
+            raise AdapterAggregateError(f"--manifest: sites {unknown} have no adapter")
+        try:
+            tokens = {site: manifest_tokens(site, manifests[site]) for site in sites if site in manifests}
+            _, raw = resolve_named(spec[0], sites, tokens)
+        except AggregateError as error:
+            raise AdapterAggregateError(str(error)) from None
+        return [float(raw[site]) for site in sites]
+    bad = [w for w in spec if not _is_number(w)]
+    if bad:
+        raise AdapterAggregateError(
+            f"--weights: {bad} are not numbers (or give one of tokens, uniform, JSON)"
+        )
+    return [float(w) for w in spec]
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _log(message: str) -> None:
+    print(f"[adapter_aggregate] {message}", file=sys.stderr, flush=True)
+
+
+def _adapter_arg(item: str) -> tuple[str, str]:
+    """SITE=DIR, or DIR (then the folder names the site in the record)."""
+    site, sep, path = item.partition("=")
+    if sep and site and path and "/" not in site:
+        return site, path
+    return item, item
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    offline.enforce()
+    parser = argparse.ArgumentParser(
+        prog="python -m fedtune.aggregate.adapters",
+        description="Aggregate the sites' PEFT LoRA adapters into one adapter (and optionally a full model).",
+    )
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--adapters", nargs="+", metavar="[SITE=]DIR", help="PEFT adapter folders to aggregate")
+    what.add_argument(
+        "--merge",
+        metavar="ADAPTER_DIR",
+        help="merge this one adapter into --base, writing a full model to --output",
+    )
+    parser.add_argument("--base", metavar="MODEL_DIR", help="the model --merge adds the adapter's update to")
+    parser.add_argument(
+        "--weights",
+        nargs="+",
+        default=None,
+        metavar="W",
+        help="one number per adapter, or tokens (with --manifest), uniform, or JSON site -> number (default: equal)",
+    )
+    parser.add_argument(
+        "--manifest", nargs="+", default=[], metavar="SITE=PATH", help="site manifests, for --weights tokens"
+    )
+    parser.add_argument(
+        "--mode",
+        default="exact",
+        choices=MODES,
+        help="exact: the mean of the updates as one adapter of rank sum(r_i); average_factors: mean(B), mean(A)",
+    )
+    parser.add_argument(
+        "--output", required=True, help="folder of the aggregate adapter, or of the --merge model (atomic)"
+    )
+    parser.add_argument(
+        "--merge-into", default=None, metavar="BASE_MODEL_DIR", help="also write base + aggregate update"
+    )
+    parser.add_argument(
+        "--merged-output",
+        default=None,
+        metavar="DIR",
+        help="folder of the merged model (default: OUTPUT/merged)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=OUTPUT_DTYPES,
+        help="dtype of the adapter's tensors (auto: as the first site's); sums are taken in fp32",
+    )
+    parser.add_argument("--max-shard-size", default="5GB", help="largest file of the merged model")
+    args = parser.parse_args(argv)
+    try:
+        if args.merge:
+            if not args.base:
+                raise AdapterAggregateError("--merge needs --base (the model to add the adapter's update to)")
+            merge_adapter(args.merge, args.base, args.output, max_shard_size=args.max_shard_size)
+            return 0
+        pairs: dict[str, str] = {}
+        for item in args.adapters:
+            site, path = _adapter_arg(item)
+            if site in pairs:
+                raise AdapterAggregateError(f"--adapters: {site} given twice")
+            pairs[site] = path
+        aggregate_adapters(
+            pairs,
+            args.output,
+            mode=args.mode,
+            weights=numeric_weights(args.weights, list(pairs), parse_pairs(args.manifest, "--manifest")),
+            dtype=args.dtype,
+            merge_into=args.merge_into,
+            merged_out=args.merged_output,
+            max_shard_size=args.max_shard_size,
+        )
+    except UserError as e:
+        print(f"adapter_aggregate: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

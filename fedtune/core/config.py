@@ -1,0 +1,866 @@
+"""The one place where settings become objects. The JSON schemas in fedtune/schemas are the single
+source of truth for keys, types and defaults; this module validates a config against them, adds every
+rule a schema cannot express (cross-key checks, a template that must format, files that must exist, a
+block that must fit the model, sweep points), and hands the stages typed, frozen objects:
+
+    RunConfig     the whole validated config: run folder, task, model, sites, federation, sweep
+    Site          one site: its dataset, template, cluster and its TrainOptions (overrides merged)
+    TrainOptions  the train section (train.schema.yaml) after every cross-key rule
+    EvaluateOptions, SweepPoint, DownstreamTask (an entry of evaluate.tasks: a task YAML or a registry name)
+
+Each options object has one JSON form (`to_json()` / `from_json()`), the rule -> CLI boundary: a rule
+passes `--options '<json>'`, the CLI turns it back into the same object through the same checks.
+
+This module imports nothing from fedtune (every stage imports it) and no torch at import time, so
+Snakemake's start-up stays fast."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import importlib.resources
+import json
+import os
+import re
+import string
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+from referencing import Registry
+from referencing.jsonschema import DRAFT202012
+
+# Shipped inside the package (an installed fedtune validates configs too); workflow/schemas links here.
+SCHEMAS = importlib.resources.files("fedtune") / "schemas"
+MAIN_SCHEMA = "config.schema.yaml"
+
+# The two tasks (config `task`); every stage names them through these.
+CAUSAL_LM = "causal-lm"
+CLASSIFICATION = "sequence-classification"
+TASKS = (CAUSAL_LM, CLASSIFICATION)
+
+# Weight dtypes by name, and the low-precision dtype of each training precision.
+DTYPES = ("float32", "bfloat16", "float16")
+PRECISION_DTYPES = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
+
+# config.json keys that hold a model's longest sequence, by architecture family.
+MAX_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length")
+
+DEVICES_AXIS = "devices"
+
+
+class UserError(ValueError):
+    """A mistake the user can fix (a config key, an option, a file): one line that names it. Every
+    stage's own error class derives from it, so a CLI reports them all alike (exit code 2)."""
+
+
+class ConfigError(UserError):
+    """A user error in the config: the message names the file and the key to fix."""
+
+
+def torch_dtype(name: str):
+    """The torch dtype of a name in DTYPES (imports torch: call it from stage code only)."""
+    import torch
+
+    if name not in DTYPES:
+        raise ConfigError(f"dtype: {name!r} is not one of {', '.join(DTYPES)}")
+    return getattr(torch, name)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Schema validation
+
+
+def _load_yaml(path) -> Any:
+    return yaml.safe_load(path.read_text(encoding="utf-8"))
+
+
+@functools.cache
+def _registry() -> Registry:
+    resources = []
+    for path in sorted(
+        (p for p in SCHEMAS.iterdir() if p.name.endswith(".schema.yaml")), key=lambda p: p.name
+    ):
+        # Section schemas carry no $schema of their own, so that $ref keeps the default-filling validator.
+        resources.append((path.name, DRAFT202012.create_resource(_load_yaml(path))))
+    return Registry().with_resources(resources)
+
+
+def _with_defaults(validator_class):
+    """A validator that fills in `default` values while it validates (the jsonschema FAQ recipe),
+    following $ref into the other schema files."""
+    validate_properties = validator_class.VALIDATORS["properties"]
+
+    def set_defaults(validator, properties, instance, schema):
+        if isinstance(instance, dict):
+            for name, subschema in properties.items():
+                if "default" in subschema and name not in instance:
+                    instance[name] = copy.deepcopy(subschema["default"])
+        yield from validate_properties(validator, properties, instance, schema)
+
+    return jsonschema.validators.extend(validator_class, {"properties": set_defaults})
+
+
+_DefaultFilling = _with_defaults(jsonschema.Draft202012Validator)
+
+
+@functools.cache
+def _validator(schema_name: str):
+    return _DefaultFilling(schema(schema_name), registry=_registry())
+
+
+def schema(name: str = MAIN_SCHEMA) -> dict:
+    """A schema file by name, or a part of one by reference ("config.schema.yaml#/$defs/dataset")."""
+    if "#" in name:
+        return {"$ref": name}
+    return _load_yaml(SCHEMAS / name)
+
+
+def _key_path(error: jsonschema.ValidationError, prefix: str) -> str:
+    parts = [prefix] if prefix else []
+    parts += [str(p) for p in error.absolute_path]
+    return ".".join(parts) or "(top level)"
+
+
+def _explain(error: jsonschema.ValidationError) -> str:
+    if error.validator == "additionalProperties":
+        allowed = sorted(error.schema.get("properties", {}))
+        return f"{error.message}; allowed keys: {', '.join(allowed)}"
+    if error.validator == "pattern" and error.schema.get("pattern") == "\\{text\\}":
+        return f"{error.instance!r} does not contain the placeholder {{text}}"
+    return error.message
+
+
+def validate_section(data: Any, schema_name: str, *, source: str, prefix: str = "") -> Any:
+    """Validate `data` against one schema file, filling defaults in place; raise ConfigError naming
+    `source` (a file or a CLI option) and the key path of the first problem."""
+    validator = _validator(schema_name)
+    errors = sorted(validator.iter_errors(data), key=lambda e: (len(list(e.absolute_path)), e.message))
+    if errors:
+        err = errors[0]
+        # The deepest cause names the key that is wrong, not the oneOf/anyOf that wraps it.
+        while err.context:
+            err = sorted(err.context, key=lambda e: -len(list(e.absolute_path)))[0]
+        raise ConfigError(f"{source}: {_key_path(err, prefix)}: {_explain(err)}")
+    return data
+
+
+def deep_merge(base: Mapping, override: Mapping) -> dict:
+    merged = copy.deepcopy(dict(base))
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def _parse_json(text: str, source: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{source}: not valid JSON: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rules a schema cannot express, each written once; the stages call these.
+
+
+def check_template(template: str, where: str) -> None:
+    """A prompt template is a format string whose only field is {text}."""
+    if "{text}" not in template:
+        raise ConfigError(f"{where}: {template!r} does not contain {{text}}")
+    try:
+        fields = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+    except ValueError as e:
+        raise ConfigError(f"{where}: {template!r} is not a valid format string: {e}") from None
+    extra = fields - {"text"}
+    if extra:
+        raise ConfigError(
+            f"{where}: {template!r} uses {sorted(extra)}; only {{text}} is filled in "
+            "(write literal braces as {{ and }})"
+        )
+
+
+def max_positions(model_config: Mapping) -> int | None:
+    """The longest sequence a model takes, from its config.json values or an `architecture` section."""
+    for key in MAX_POSITION_KEYS:
+        if isinstance(model_config.get(key), int):
+            return model_config[key]
+    return None
+
+
+def check_fits(length: int, model_config: Mapping, where: str, origin: str) -> None:
+    """A block or window of `length` tokens must fit the model's position embeddings; `origin` says
+    where the model's config came from."""
+    limit = max_positions(model_config)
+    if limit is not None and length > limit:
+        raise ConfigError(f"{where}: {length} exceeds the model's maximum positions ({limit}) in {origin}")
+
+
+def label_problem(values, num_labels: int) -> str | None:
+    """Why a label column cannot be a classifier's targets (classes 0..num_labels-1), or None."""
+    import numpy as np
+
+    values = np.asarray(values)
+    if not len(values):
+        return None
+    if not np.issubdtype(values.dtype, np.integer):
+        return (
+            f"holds {values.dtype} values, not class numbers (first: {values[:3].tolist()}); "
+            f"map them to 0..{num_labels - 1} first"
+        )
+    bad = np.flatnonzero((values < 0) | (values >= num_labels))
+    if len(bad):
+        return (
+            f"row {int(bad[0])} has label {int(values[bad[0]])}, outside 0..{num_labels - 1} "
+            f"(the model has {num_labels} classes)"
+        )
+    return None
+
+
+def check_weights(weights: Mapping[str, float], sites: Sequence[str], where: str) -> None:
+    """Explicit aggregation weights name every site once and do not sum to zero."""
+    unknown = sorted(set(weights) - set(sites))
+    missing = sorted(set(sites) - set(weights))
+    if unknown or missing:
+        raise ConfigError(f"{where}: must name every site once; unknown: {unknown}, missing: {missing}")
+    if sum(weights.values()) <= 0:
+        raise ConfigError(f"{where}: the weights sum to zero")
+
+
+def check_global_batch(global_batch: int, micro_batch: int, world_size: int, where: str) -> None:
+    """Gradient accumulation must be whole: global_batch = micro_batch x world size x accumulation."""
+    unit = micro_batch * world_size
+    if global_batch % unit:
+        below = max(unit, global_batch // unit * unit)
+        raise ConfigError(
+            f"{where}: {global_batch} must be a multiple of micro_batch ({micro_batch}) "
+            f"x world size ({world_size}) = {unit}, so that gradient accumulation steps are whole; "
+            f"use global_batch {below} or {below + unit}, or change micro_batch"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Typed options
+
+
+class _Options:
+    """The JSON form shared by the options objects: the rule -> CLI boundary."""
+
+    SCHEMA: str = ""
+
+    def to_json(self) -> str:
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return json.dumps(values, separators=(",", ":"))
+
+    def to_dict(self) -> dict:
+        """The JSON form as plain values (lists, not tuples), as the config file writes them."""
+        return json.loads(self.to_json())
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str = "--options"):
+        return cls.from_mapping(_parse_json(text, source), source=source)
+
+    @classmethod
+    def _validated(cls, data: Mapping, source: str, prefix: str) -> dict:
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{source}: {prefix or 'options'}: expected a mapping, got {data!r}")
+        return validate_section(copy.deepcopy(dict(data)), cls.SCHEMA, source=source, prefix=prefix)
+
+
+@dataclass(frozen=True)
+class TrainOptions(_Options):
+    """How one site trains: train.schema.yaml, after the cross-key rules (see `check`)."""
+
+    SCHEMA = "train.schema.yaml"
+
+    backend: str
+    sharding: str
+    zero_stage: int
+    offload_optimizer: bool
+    offload_params: bool
+    deepspeed_extra: dict
+    precision: str
+    adapter: dict | None
+    gradient_checkpointing: bool | int
+    compile: bool
+    micro_batch: int
+    global_batch: int
+    max_steps: int | None
+    epochs: float
+    lr: float
+    min_lr_ratio: float
+    weight_decay: float
+    betas: tuple[float, float]
+    warmup_steps: int
+    schedule: str
+    fedprox_mu: float
+    grad_clip: float
+    seed: int
+    checkpoint_every: int
+    keep_checkpoints: int
+    remove_checkpoints: bool
+    retries: int
+    log_every: int
+    max_shard_size: str
+    nodes: int
+    processes_per_node: int
+    cpus_per_process: int
+    gpus_per_node: int
+    mem_mb: int
+    runtime: int
+    launcher: str
+    device: str
+
+    @classmethod
+    def from_mapping(cls, data: Mapping, *, source: str = "--options", prefix: str = "") -> TrainOptions:
+        values = cls._validated(data, source, prefix)
+        values["betas"] = tuple(values["betas"])
+        options = cls(**values)
+        options.check(f"{source}: {prefix + '.' if prefix else ''}")
+        return options
+
+    def check(self, where: str) -> None:
+        """The rules between keys; `where` prefixes the key named in the error ("file: sites.x.train.")."""
+        deepspeed = self.backend == "deepspeed"
+        if self.offload_params and not (deepspeed and self.zero_stage == 3):
+            raise ConfigError(f"{where}offload_params: needs backend deepspeed with zero_stage 3")
+        if self.offload_optimizer and not (deepspeed and self.zero_stage >= 1):
+            raise ConfigError(f"{where}offload_optimizer: needs backend deepspeed with zero_stage 1, 2 or 3")
+        if self.sharding in ("hybrid", "hybrid_zero2") and not self.fsdp:
+            raise ConfigError(f"{where}sharding: {self.sharding} is an fsdp mode; deepspeed uses zero_stage")
+        if self.fedprox_mu and deepspeed and self.zero_stage != 3:
+            raise ConfigError(
+                f"{where}fedprox_mu: needs backend fsdp or deepspeed with zero_stage 3 (its per-rank "
+                f"partitions); zero_stage is {self.zero_stage}"
+            )
+        if self.compile and deepspeed:
+            # ZeRO-3 gathers parameters in hooks around each layer: not checked inside compiled layers.
+            raise ConfigError(f"{where}compile: needs backend fsdp (FSDP2 or DDP), not deepspeed")
+        if self.deepspeed_extra and not deepspeed:
+            raise ConfigError(f"{where}deepspeed_extra: given, but backend is {self.backend}")
+        if self.adapter and self.adapter["quantize"] != "none":
+            if self.device == "cpu":
+                raise ConfigError(
+                    f"{where}adapter.quantize: {self.adapter['quantize']} (QLoRA, bitsandbytes) needs a CUDA "
+                    "device, but device is cpu; use quantize: none"
+                )
+            # A 4-bit base is a replica per GPU: sharding it would need bitsandbytes' quant storage under
+            # FSDP or ZeRO-3, which fedtune does not set up.
+            if not (self.fsdp and self.sharding == "none"):
+                raise ConfigError(
+                    f"{where}adapter.quantize: {self.adapter['quantize']} needs backend fsdp with sharding none "
+                    "(plain data parallel over a 4-bit base on every GPU)"
+                )
+        # Set by scripts/clusters/iris.sh: V100s have no bf16, and emulating it would be slow and silent.
+        if self.precision == "bf16" and os.environ.get("FEDTUNE_NO_BF16") == "1":
+            raise ConfigError(f"{where}precision: bf16, but this cluster's GPUs have none; use fp16 or fp32")
+        check_global_batch(self.global_batch, self.micro_batch, self.world_size, f"{where}global_batch")
+
+    @property
+    def fsdp(self) -> bool:
+        return self.backend == "fsdp"
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.processes_per_node
+
+    @property
+    def checkpoint_layers_every(self) -> int:
+        """Activation checkpointing of every N-th decoder layer: 0 none, 1 all (gradient_checkpointing:
+        true)."""
+        return int(self.gradient_checkpointing)
+
+    @property
+    def low_precision(self) -> str | None:
+        """The dtype name computation runs in under mixed precision; None for fp32."""
+        return PRECISION_DTYPES[self.precision]
+
+    @property
+    def sharding_label(self) -> str:
+        """What training.json records: the FSDP sharding or the ZeRO stage."""
+        return self.sharding if self.fsdp else f"zero{self.zero_stage}"
+
+    def total_steps(self, steps_per_epoch: int) -> int:
+        if self.max_steps is not None:
+            return self.max_steps
+        return max(1, int(self.epochs * steps_per_epoch))
+
+    # Slurm: what a train job asks for and how scripts/launch starts its processes.
+    @property
+    def slurm_tasks(self) -> int:
+        """Tasks the launcher starts: one per node (torchrun) or one per process (srun)."""
+        if self.launcher == "torchrun":
+            return self.nodes
+        if self.launcher == "srun":
+            return self.world_size
+        return 1
+
+    @property
+    def job_launcher(self) -> str:
+        # A single task needs no srun step (the job already runs on its node): torchrun starts it directly.
+        return self.launcher if self.slurm_tasks > 1 else "local"
+
+    @property
+    def cpus_per_task(self) -> int:
+        return self.cpus_per_process * (1 if self.launcher == "srun" else self.processes_per_node)
+
+    @property
+    def gres(self) -> str | None:
+        return f"gpu:{self.gpus_per_node}" if self.gpus_per_node else None
+
+    @property
+    def tasks_per_gpu(self) -> int | None:
+        # The Slurm plugin otherwise reads `tasks` as tasks per GPU; torchrun's one task per node drives
+        # all of the node's GPUs (0 = do not set).
+        if not self.gpus_per_node:
+            return None
+        return 1 if self.job_launcher == "srun" else 0
+
+
+@dataclass(frozen=True)
+class EvaluateOptions(_Options):
+    """evaluate.schema.yaml."""
+
+    SCHEMA = "evaluate.schema.yaml"
+
+    intermediate: str
+    max_length: int
+    stride: int | None
+    batch_size: int
+    max_documents: int | None
+    dtype: str | None
+    tasks: tuple[str, ...]
+    task_limit: int | None
+    num_fewshot: int | None
+
+    # Read by the downstream tasks only: the perplexity jobs get the options without them, so that a
+    # task added to the config does not rerun every perplexity evaluation (Snakemake reruns on params).
+    DOWNSTREAM_KEYS = ("tasks", "task_limit", "num_fewshot")
+
+    @classmethod
+    def from_mapping(cls, data: Mapping, *, source: str = "--options", prefix: str = "evaluate"):
+        values = cls._validated(data, source, prefix)
+        values["tasks"] = tuple(values["tasks"])
+        return cls(**values)
+
+    def perplexity_json(self) -> str:
+        """The JSON form without the downstream tasks' keys: what fedtune.evaluate.scores reads."""
+        values = {k: v for k, v in self.to_dict().items() if k not in self.DOWNSTREAM_KEYS}
+        return json.dumps(values, separators=(",", ":"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Downstream tasks (evaluate.tasks): which entry is a task YAML and which a name of lm-eval's registry.
+# Resolved here, without lm-eval, so that a missing file fails when Snakemake starts; fedtune.evaluate.downstream
+# resolves the same entries with the same functions when it copies and scores them.
+
+# The checkout (a run started from the repository finds workflow/tasks and data/ from any directory).
+PROJECT_DIR = Path(__file__).resolve().parents[2]
+PROJECT_TASKS_DIR = PROJECT_DIR / "workflow" / "tasks"
+TASK_YAML_SUFFIXES = (".yaml", ".yml")
+DOWNSTREAM_EXTRA = "pip install -e '.[downstream]'"
+
+
+class _TaskYamlLoader(yaml.SafeLoader):
+    """Reads lm-eval task YAMLs for their keys: tags such as `!function utils.process_docs` load as None
+    (lm-eval resolves them itself)."""
+
+
+_TaskYamlLoader.add_multi_constructor("!", lambda loader, suffix, node: None)
+
+
+@dataclass(frozen=True)
+class DownstreamTask:
+    """One entry of evaluate.tasks: its lm-eval name, and for a task YAML the file it is defined in."""
+
+    entry: str
+    name: str
+    yaml: Path | None  # None: a task or group of lm-eval's registry
+
+
+def resolve_path(path: str | Path, base_dir: Path) -> Path:
+    """A relative path of a task entry or of a task's data file: against the working directory, else
+    against the project (so that workflow/tasks/... and the demo data work from any working directory).
+    The working directory's path when neither exists."""
+    path = Path(path)
+    if path.is_absolute():
+        return path
+    here = Path(base_dir) / path
+    if here.exists() or not (PROJECT_DIR / path).exists():
+        return here
+    return PROJECT_DIR / path
+
+
+def read_task_yaml(path: Path, where: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            document = yaml.load(f, Loader=_TaskYamlLoader)
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"{where}: {path}: not a readable YAML file: {e}") from None
+    if not isinstance(document, dict) or not isinstance(document.get("task"), str):
+        raise ConfigError(
+            f"{where}: {path}: not an lm-eval task YAML (no `task: <name>` key); a group of tasks is "
+            "named by its registry name instead"
+        )
+    return document
+
+
+def task_data_files(document: Mapping) -> dict[str, list[str]]:
+    """A task YAML's local files (dataset_kwargs.data_files) by split, as written."""
+    files = (document.get("dataset_kwargs") or {}).get("data_files")
+    if files is None:
+        return {}
+    if isinstance(files, Mapping):
+        return {str(split): _as_list(value) for split, value in files.items()}
+    return {"train": _as_list(files)}
+
+
+def downstream_task(entry: str, *, base_dir: Path, where: str) -> DownstreamTask:
+    """An entry of evaluate.tasks, checked: a task YAML that exists, holds a task and whose local data
+    files exist; a task shipped in workflow/tasks by name; else a registry name (checked by lm-eval in
+    the download stage)."""
+    if entry.endswith(TASK_YAML_SUFFIXES):
+        path = resolve_path(entry, base_dir)
+        if not path.is_file():
+            raise ConfigError(f"{where}: task YAML not found: {entry} (relative to the working directory)")
+    elif (PROJECT_TASKS_DIR / f"{entry}.yaml").is_file():
+        path = PROJECT_TASKS_DIR / f"{entry}.yaml"
+    else:
+        return DownstreamTask(entry, entry, None)
+    document = read_task_yaml(path, where)
+    for split, files in task_data_files(document).items():
+        for file in files:
+            if "://" not in file and not resolve_path(file, base_dir).is_file():
+                raise ConfigError(
+                    f"{where}: {path}: dataset_kwargs.data_files.{split}: file not found: {file} "
+                    "(relative to the working directory)"
+                )
+    return DownstreamTask(entry, document["task"], path)
+
+
+def check_downstream_installed(where: str) -> None:
+    """lm-eval is an optional extra: say how to install it before any job needs it."""
+    import importlib.util
+
+    if importlib.util.find_spec("lm_eval") is None:
+        raise ConfigError(
+            f"{where}: downstream tasks need lm-evaluation-harness, which is not installed: "
+            f"{DOWNSTREAM_EXTRA} (the downstream extra)"
+        )
+
+
+def downstream_tasks(options: EvaluateOptions, task: str, *, base_dir: Path, source: str):
+    """evaluate.tasks resolved and checked (none when the list is empty)."""
+    if not options.tasks:
+        return ()
+    if task != CAUSAL_LM:
+        raise ConfigError(f"{source}: evaluate.tasks: downstream tasks score language models; task is {task}")
+    check_downstream_installed(f"{source}: evaluate.tasks")
+    resolved = [
+        downstream_task(entry, base_dir=base_dir, where=f"{source}: evaluate.tasks[{i}]")
+        for i, entry in enumerate(options.tasks)
+    ]
+    names = [t.name for t in resolved]
+    for i, t in enumerate(resolved):
+        if names.index(t.name) != i:
+            raise ConfigError(
+                f"{source}: evaluate.tasks[{i}]: {t.entry} defines task {t.name}, as an earlier entry does"
+            )
+    return tuple(resolved)
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """One value of a scaling sweep: its folder label and the swept site's train options with it."""
+
+    label: str
+    value: Any
+    options: TrainOptions
+
+
+@dataclass(frozen=True)
+class Site:
+    name: str
+    cluster: str
+    dataset: dict
+    prompt_template: str
+    train: TrainOptions
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A whole validated config. `raw` is the dict with every default filled in (for the sections a
+    stage passes on as they are, such as a dataset spec)."""
+
+    raw: dict
+    run: str
+    results: str
+    cluster: str | None
+    task: str
+    model: dict
+    sites: dict[str, Site]
+    tokenize: dict
+    aggregate: dict
+    evaluate: EvaluateOptions
+    downstream: tuple[DownstreamTask, ...]
+    rounds: int
+    lr_schedule: str
+    site_optimizer: str
+    pooled: TrainOptions | None
+    aggregate_on: str
+    remotes: dict
+    sweep_site: str | None
+    sweep_axis: str | None
+    sweep: tuple[SweepPoint, ...]
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.results) / self.run
+
+    @property
+    def classification(self) -> bool:
+        return self.task == CLASSIFICATION
+
+
+def sweep_label(axis: str, value) -> str:
+    """A folder name for one value: `devices-4`, `precision-fp16`, `gradient_checkpointing-true`."""
+    text = json.dumps(value) if isinstance(value, bool) else str(value)
+    return f"{axis}-{re.sub(r'[^A-Za-z0-9._-]+', '_', text)}"
+
+
+def _device_options(base: dict, value, where: str) -> dict:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{where}: {value!r} is not a device count (a whole number, at least 1)")
+    per_node = base["processes_per_node"]
+    nodes = -(-value // per_node)
+    # A partly filled last node would give a different world size than asked for.
+    if nodes > 1 and value % per_node:
+        raise ConfigError(
+            f"{where}: {value} devices do not fill whole nodes of {per_node} (the site's processes_per_node); "
+            f"use a multiple of {per_node}"
+        )
+    if nodes > 1 and base["launcher"] == "local":
+        raise ConfigError(
+            f"{where}: {value} devices need {nodes} nodes of {per_node}, but the site's launcher is local "
+            "(one machine); set train.launcher to torchrun or srun"
+        )
+    options = {**base, "nodes": nodes, "processes_per_node": min(value, per_node)}
+    if base["gpus_per_node"]:
+        options["gpus_per_node"] = min(value, base["gpus_per_node"])
+    return options
+
+
+def _sweep_points(config: Mapping, site: str, base: TrainOptions, source: str) -> tuple[SweepPoint, ...]:
+    """The sweep's values in the order given, each the swept site's options with the axis set."""
+    sweep = config["sweep"]
+    axis = sweep["axis"]
+    train_keys = schema("train.schema.yaml")["properties"]
+    if axis != DEVICES_AXIS and axis not in train_keys:
+        raise ConfigError(
+            f"{source}: sweep.axis: {axis!r} is neither devices nor a train key ({', '.join(train_keys)})"
+        )
+    points: dict[str, SweepPoint] = {}
+    for i, value in enumerate(sweep["values"]):
+        where = f"{source}: sweep.values[{i}]"
+        if axis == DEVICES_AXIS:
+            values = _device_options(base.to_dict(), value, where)
+        else:
+            values = {**base.to_dict(), axis: value}
+        validate_section(values, TrainOptions.SCHEMA, source=source, prefix=f"sweep.values[{i}]")
+        values["betas"] = tuple(values["betas"])
+        options = TrainOptions(**values)
+        options.check(f"{where} ({axis} {value!r}): ")
+        label = sweep_label(axis, value)
+        if label in points:
+            raise ConfigError(f"{where}: {value!r} gives the folder name {label} of an earlier value")
+        points[label] = SweepPoint(label, value, options)
+    return tuple(points.values())
+
+
+def _as_list(value) -> list[str]:
+    return [value] if isinstance(value, str) else list(value)
+
+
+def site_train_options(config: Mapping, site: str, *, source: str = "config") -> TrainOptions:
+    """The train section with the site's overrides merged over it, checked."""
+    merged = deep_merge(config.get("train", {}), config["sites"][site].get("train", {}))
+    return TrainOptions.from_mapping(merged, source=source, prefix=f"sites.{site}.train")
+
+
+def _pooled_options(config: Mapping, sites: Mapping[str, Site], source: str) -> TrainOptions:
+    """The pooled baseline's training: the top-level train section over every site's data, with as many
+    blocks as the whole federation trains (every site, every round), so that it sees the same tokens."""
+    rounds = config["federation"]["rounds"]
+    base = TrainOptions.from_mapping(config["train"], source=source, prefix="train")
+    if all(site.train.max_steps is not None for site in sites.values()):
+        blocks = sum(rounds * site.train.max_steps * site.train.global_batch for site in sites.values())
+        return dataclasses.replace(base, max_steps=-(-blocks // base.global_batch))
+    # Epoch-based sites: as many passes over the pooled data as each site makes over its own.
+    return dataclasses.replace(base, max_steps=None, epochs=rounds * base.epochs)
+
+
+def _check_adapters(config: Mapping, sites: Mapping[str, Site], source: str) -> None:
+    """Adapters federate only through the aggregation that combines them (aggregate.adapter_merge)."""
+    adapted = [name for name, site in sites.items() if site.train.adapter]
+    if not adapted:
+        return
+    if len(adapted) != len(sites):
+        plain = sorted(set(sites) - set(adapted))
+        raise ConfigError(
+            f"{source}: train.adapter: set for {', '.join(adapted)} but not for {', '.join(plain)}; "
+            "every site trains an adapter or none does"
+        )
+    aggregate, federation = config["aggregate"], config["federation"]
+    server = aggregate["server_optimizer"]
+    if aggregate["method"] != "fedavg":
+        raise ConfigError(
+            f"{source}: aggregate.method: {aggregate['method']} merges whole task vectors; with "
+            "train.adapter use fedavg (aggregate.adapter_merge says how the adapters combine)"
+        )
+    if server.get("name", "sgd") != "sgd" or server.get("lr", 1.0) != 1.0:
+        raise ConfigError(
+            f"{source}: aggregate.server_optimizer: {server} needs whole models each round; with "
+            "train.adapter leave it at sgd, lr 1"
+        )
+    if aggregate["compare"]:
+        raise ConfigError(f"{source}: aggregate.compare: not available with train.adapter")
+    if federation["site_optimizer"] == "keep":
+        raise ConfigError(
+            f"{source}: federation.site_optimizer: keep; with train.adapter every round starts fresh "
+            "adapters, which have no optimizer state to keep; use reset"
+        )
+    if aggregate["adapter_merge"] == "average_factors":
+        shapes = {name: (site.train.adapter["r"], json.dumps(site.train.adapter["target_modules"]))
+                  for name, site in sites.items()}  # fmt: skip
+        if len(set(shapes.values())) > 1:
+            listed = ", ".join(f"{n} r={r} targets={t}" for n, (r, t) in shapes.items())
+            raise ConfigError(
+                f"{source}: aggregate.adapter_merge: average_factors needs the same rank and target "
+                f"modules at every site ({listed}); use exact, which takes any ranks"
+            )
+
+
+def build_run_config(config: dict, *, source: str = "config", base_dir: Path | None = None) -> RunConfig:
+    """Validate `config` (defaults filled in place) with every rule, and return it as a RunConfig."""
+    validate_section(config, MAIN_SCHEMA, source=source)
+    base_dir = Path(base_dir or ".")
+    model = config["model"]
+    if config["task"] == CLASSIFICATION and model["num_labels"] is None:
+        raise ConfigError(f"{source}: model.num_labels: required for task {CLASSIFICATION}")
+    if model["source"] == "local":
+        path = base_dir / model["path"]
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"{source}: model.path: {path} holds no config.json (a save_pretrained folder)")
+    if model["source"] == "gguf" and not (base_dir / model["path"]).is_file():
+        raise ConfigError(f"{source}: model.path: GGUF file not found: {base_dir / model['path']}")
+    sites = {}
+    for name, site in config["sites"].items():
+        check_template(site["prompt_template"], f"{source}: sites.{name}.prompt_template")
+        dataset = site["dataset"]
+        if dataset["source"] == "local":
+            for split, files in dataset["data_files"].items():
+                for file in _as_list(files):
+                    if not (base_dir / file).is_file():
+                        raise ConfigError(
+                            f"{source}: sites.{name}.dataset.data_files.{split}: file not found: {file}"
+                        )
+        sites[name] = Site(
+            name=name,
+            cluster=site["cluster"],
+            dataset=dataset,
+            prompt_template=site["prompt_template"],
+            train=site_train_options(config, name, source=source),
+        )
+    if isinstance(config["aggregate"]["weights"], dict):
+        check_weights(config["aggregate"]["weights"], list(sites), f"{source}: aggregate.weights")
+    check_fits(
+        config["tokenize"]["block_size"],
+        model["architecture"],
+        f"{source}: tokenize.block_size",
+        "model.architecture",
+    )
+    sweep = config["sweep"]
+    sweep_site = None
+    points: tuple[SweepPoint, ...] = ()
+    if sweep:
+        sweep_site = sweep["site"] or next(iter(sites))
+        if sweep_site not in sites:
+            raise ConfigError(
+                f"{source}: sweep.site: {sweep_site!r} is not a site of this config ({', '.join(sites)})"
+            )
+        points = _sweep_points(config, sweep_site, sites[sweep_site].train, source)
+    federation = config["federation"]
+    if federation["site_optimizer"] == "keep":
+        for site in sites.values():
+            if not site.train.fsdp:
+                raise ConfigError(
+                    f"{source}: federation.site_optimizer: keep needs backend fsdp, but site {site.name} "
+                    "trains with deepspeed (whose optimizer also holds the weights)"
+                )
+    _check_adapters(config, sites, source)
+    evaluate = EvaluateOptions.from_mapping(config["evaluate"], source=source)
+    pooled = None
+    if federation["pooled_baseline"]:
+        clusters = sorted({site.cluster for site in sites.values()})
+        if len(clusters) > 1:
+            raise ConfigError(
+                f"{source}: federation.pooled_baseline: needs every site's training data on one cluster, "
+                f"but the sites train on {', '.join(clusters)}"
+            )
+        pooled = _pooled_options(config, sites, source)
+    return RunConfig(
+        raw=config,
+        run=config["run"],
+        results=config["results"],
+        cluster=config["cluster"],
+        task=config["task"],
+        model=model,
+        sites=sites,
+        tokenize=config["tokenize"],
+        aggregate=config["aggregate"],
+        evaluate=evaluate,
+        downstream=downstream_tasks(evaluate, config["task"], base_dir=base_dir, source=source),
+        rounds=federation["rounds"],
+        lr_schedule=federation["lr_schedule"],
+        site_optimizer=federation["site_optimizer"],
+        pooled=pooled,
+        aggregate_on=federation["aggregate_on"] or next(iter(sites.values())).cluster,
+        remotes=federation["remotes"],
+        sweep_site=sweep_site,
+        sweep_axis=sweep["axis"] if sweep else None,
+        sweep=points,
+    )
+
+
+def check_config(config: dict, *, source: str = "config", base_dir: Path | None = None) -> dict:
+    """Every rule of build_run_config; returns the config dict with its defaults filled in."""
+    build_run_config(config, source=source, base_dir=base_dir)
+    return config
+
+
+def read_config_file(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        config = _load_yaml(path)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path}: the config must be a mapping of keys to values")
+    return config
+
+
+def load_config(path: str | Path, *, base_dir: Path | None = None) -> dict:
+    """A config file, validated, as a dict with its defaults (see load_run_config for the object)."""
+    return check_config(read_config_file(path), source=str(path), base_dir=base_dir)
+
+
+def load_run_config(path: str | Path, *, base_dir: Path | None = None) -> RunConfig:
+    return build_run_config(read_config_file(path), source=str(path), base_dir=base_dir)

@@ -1,0 +1,3 @@
+from fedtune.download.fetch import main
+
+raise SystemExit(main())

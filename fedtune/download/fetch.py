@@ -1,0 +1,306 @@
+"""download: the one stage that may reach the network. It runs on a login node and puts everything the
+offline stages need into the run's folder.
+
+    python -m fedtune.download data  --spec '<dataset JSON>' --out results/<run>/data/<site>/raw
+    python -m fedtune.download model --spec '<model JSON>' [--corpora '<JSON list>'] --out results/<run>/model/base
+    python -m fedtune.download tasks --tasks ENTRY ... --out results/<run>/tasks
+
+`tasks` is evaluate.tasks (the downstream extra, lm-eval): each task's YAML and local data files copied,
+and each hub data set fetched into the folder's datasets cache (fedtune.evaluate.downstream.prepare), for the
+evaluate jobs to read offline.
+
+With --task sequence-classification, `data` also checks the label column (integers in
+0..--num-labels - 1) and `model` saves the base model with a classification head of model.num_labels
+classes (new and seeded with model.seed unless the checkpoint has one of that size).
+
+`--spec` is the config's `sites.<site>.dataset` or `model` section (validated against the schema).
+Hub tokens come from the environment (HF_TOKEN), never from the config or the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from fedtune.core.atomic import atomic_dir, write_json
+from fedtune.core.config import (
+    CAUSAL_LM,
+    CLASSIFICATION,
+    TASKS,
+    ConfigError,
+    UserError,
+    label_problem,
+    torch_dtype,
+    validate_section,
+)
+from fedtune.core.secrets import redact
+
+SPLITS = ("train", "test")
+FORMATS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet", ".csv": "csv"}
+
+
+class DataError(UserError):
+    """A dataset that cannot be used: the message names the dataset, split or column."""
+
+
+def _files(value) -> list[str]:
+    return [value] if isinstance(value, str) else list(value)
+
+
+def _format(spec: dict) -> str:
+    if spec["format"] != "auto":
+        return spec["format"]
+    suffixes = {Path(f).suffix for files in spec["data_files"].values() for f in _files(files)}
+    formats = {FORMATS.get(s) for s in suffixes}
+    if None in formats or len(formats) != 1:
+        raise ConfigError(
+            f"dataset.data_files: cannot tell one format from the suffixes {sorted(suffixes)}; "
+            f"set dataset.format to one of json, text, parquet, csv"
+        )
+    return formats.pop()
+
+
+def load_splits(spec: dict, num_labels: int | None = None):
+    """The site's documents as a DatasetDict with exactly the splits train and test. With `num_labels`
+    (classification), every document's label must be a class number below it."""
+    from datasets import DatasetDict, load_dataset
+
+    if spec["source"] == "local":
+        for split, files in spec["data_files"].items():
+            for file in _files(files):
+                if not Path(file).is_file():
+                    raise DataError(f"dataset.data_files.{split}: file not found: {file}")
+                if Path(file).stat().st_size == 0:
+                    raise DataError(
+                        f"dataset.data_files.{split}: {file} is empty: the {split} split holds no documents"
+                    )
+        loaded = load_dataset(_format(spec), data_files=spec["data_files"])
+        names = {"train": "train", "test": "test" if "test" in spec["data_files"] else None}
+        label = ", ".join(_files(spec["data_files"]["train"]))
+    else:
+        # datasets caches a local folder's configs by folder name and config name alone, so edited files
+        # would load as the old rows: a local folder is always read afresh (it costs one local read).
+        fresh = {"download_mode": "force_redownload"} if Path(spec["name"]).is_dir() else {}
+        loaded = load_dataset(spec["name"], spec["config"], revision=spec["revision"], **fresh)
+        names = spec["splits"]
+        label = spec["name"]
+        for split in (names["train"], names["test"]):
+            if split is not None and split not in loaded:
+                raise DataError(
+                    f"{label}: dataset.splits names split {split!r}, but the dataset has {sorted(loaded)}"
+                )
+    train = loaded[names["train"]]
+    if names["test"] is None:
+        carved = train.train_test_split(test_size=spec["test_fraction"], seed=spec["seed"], shuffle=True)
+        splits = {"train": carved["train"], "test": carved["test"]}
+    else:
+        splits = {"train": train, "test": loaded[names["test"]]}
+    for split, data in splits.items():
+        if spec["text_field"] not in data.column_names:
+            raise DataError(
+                f"{label}: dataset.text_field {spec['text_field']!r} is not a column of the {split} split; "
+                f"columns: {data.column_names}"
+            )
+        if spec["max_documents"] is not None and len(data) > spec["max_documents"]:
+            splits[split] = data.select(range(spec["max_documents"]))
+        if len(splits[split]) == 0:
+            raise DataError(f"{label}: the {split} split holds no documents")
+        if num_labels is not None:
+            check_labels(splits[split], spec["label_field"], num_labels, f"{label} ({split} split)")
+    return DatasetDict(splits)
+
+
+def check_labels(data, field: str, num_labels: int, where: str) -> None:
+    """Every value of the label column is a class number in 0..num_labels-1; else DataError naming it."""
+    if field not in data.column_names:
+        raise DataError(
+            f"{where}: dataset.label_field {field!r} is not a column; columns: {data.column_names}"
+        )
+    problem = label_problem(data.with_format("numpy")[field], num_labels)
+    if problem:
+        raise DataError(f"{where}: dataset.label_field {field!r}: {problem}")
+
+
+def download_data(spec: dict, out: str | Path, num_labels: int | None = None) -> dict:
+    spec = validate_section(
+        dict(spec), "config.schema.yaml#/$defs/dataset", source="--spec", prefix="dataset"
+    )
+    splits = load_splits(spec, num_labels)
+    with atomic_dir(out) as tmp:
+        splits.save_to_disk(str(tmp))
+    counts = {split: len(data) for split, data in splits.items()}
+    print(f"saved {counts} documents to {out}")
+    return counts
+
+
+def _corpus_texts(corpora: list[dict], max_documents: int | None):
+    from datasets import load_from_disk
+
+    for corpus in corpora:
+        train = load_from_disk(corpus["path"])["train"]
+        count = len(train) if max_documents is None else min(len(train), max_documents)
+        template = corpus.get("template", "{text}")
+        for text in train.select(range(count))[corpus.get("text_field", "text")]:
+            yield template.format(text=text)
+
+
+def _copy_model_dir(source: Path, dest: Path) -> None:
+    for path in source.iterdir():
+        if path.is_file():
+            try:
+                # A hard link costs no space for a 14 GB checkpoint on the same file system.
+                (dest / path.name).hardlink_to(path)
+            except OSError:
+                shutil.copy2(path, dest / path.name)
+
+
+def download_model(
+    spec: dict, out: str | Path, corpora: list[dict] | None = None, task: str = CAUSAL_LM
+) -> None:
+    from fedtune.core import models
+
+    spec = validate_section(dict(spec), "config.schema.yaml#/$defs/model", source="--spec", prefix="model")
+    source = spec["source"]
+    record = {"source": source, "task": task}
+    classify = task == CLASSIFICATION
+    if classify and spec["num_labels"] is None:
+        raise ConfigError(f"--spec: model.num_labels: required for task {CLASSIFICATION}")
+    with atomic_dir(out) as tmp:
+        if source == "init":
+            if not corpora:
+                raise ConfigError(
+                    "--corpora: a model built from scratch needs text to train its tokenizer on"
+                )
+            tok_spec = spec["tokenizer"]
+            texts = list(_corpus_texts(corpora, tok_spec["max_documents"]))
+            tokenizer = models.train_tokenizer(texts, tok_spec["vocab_size"], tok_spec["min_frequency"])
+            model = models.build_model(
+                spec["architecture"],
+                tokenizer,
+                dtype=spec["dtype"],
+                seed=spec["seed"],
+                task=task,
+                num_labels=spec["num_labels"],
+            )
+            models.save_model(model, tokenizer, tmp)
+            record.update(
+                architecture=spec["architecture"], tokenizer=tok_spec, documents=len(texts), seed=spec["seed"]
+            )
+        elif source == "gguf":
+            if classify:
+                raise ConfigError(f"--spec: model.source: gguf: task {CLASSIFICATION} is not supported")
+            from fedtune.download import gguf
+
+            record.update(gguf.convert(spec["path"], tmp, dtype=spec["dtype"]))
+        elif source == "local" and not classify:
+            path = Path(spec["path"])
+            models.check_model_dir(path, allow_pickle=spec["allow_pickle"])
+            models.load_tokenizer(path, trust_remote_code=spec["trust_remote_code"])
+            _copy_model_dir(path, tmp)
+            record.update(path=str(path.resolve()))
+        elif classify:
+            # A classifier needs its head saved with the body: a local folder is loaded and saved, not linked.
+            name = spec["path"] if source == "local" else spec["name"]
+            if source == "local":
+                models.check_model_dir(name, allow_pickle=spec["allow_pickle"])
+            revision = spec["revision"] if source == "hf" else None
+            tokenizer = models.load_tokenizer(
+                name, trust_remote_code=spec["trust_remote_code"], revision=revision
+            )
+            model = models.classification_head(
+                name,
+                tokenizer,
+                num_labels=spec["num_labels"],
+                seed=spec["seed"],
+                dtype=torch_dtype(spec["dtype"]),
+                use_safetensors=not spec["allow_pickle"],
+                trust_remote_code=spec["trust_remote_code"],
+                revision=revision,
+            )
+            models.save_model(model, tokenizer, tmp)
+            record.update(name=str(name), revision=revision, num_labels=spec["num_labels"])
+        else:
+            model = models.load_causal_lm(
+                spec["name"],
+                dtype=spec["dtype"],
+                allow_pickle=spec["allow_pickle"],
+                trust_remote_code=spec["trust_remote_code"],
+                revision=spec["revision"],
+            )
+            tokenizer = models.load_tokenizer(
+                spec["name"], trust_remote_code=spec["trust_remote_code"], revision=spec["revision"]
+            )
+            models.save_model(model, tokenizer, tmp)
+            record.update(name=spec["name"], revision=spec["revision"])
+        write_json(tmp / "fedtune-source.json", record)
+    print(f"saved the {source} model to {out}")
+
+
+def _download_measure(spec: dict):
+    """For a hub model, how much of it is in the hub cache so far (a log line every half minute)."""
+    if spec.get("source") != "hf" or not spec.get("name"):
+        return None
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    from fedtune.core.progress import folder_size
+
+    folder = Path(HF_HUB_CACHE) / ("models--" + spec["name"].replace("/", "--"))
+    return lambda: folder_size(folder)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m fedtune.download",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="what", required=True)
+    data = sub.add_parser("data", help="a site's train and test splits, saved with save_to_disk")
+    data.add_argument("--spec", required=True, help="the site's dataset section as JSON")
+    data.add_argument("--num-labels", type=int, default=None, help="classification: check the labels")
+    data.add_argument("--out", required=True)
+    model = sub.add_parser("model", help="the base model and tokenizer, saved with save_pretrained")
+    model.add_argument("--spec", required=True, help="the model section as JSON")
+    model.add_argument(
+        "--corpora",
+        default="[]",
+        help="JSON list of {path, text_field, template}: raw datasets to train a tokenizer on",
+    )
+    model.add_argument("--task", default=CAUSAL_LM, choices=TASKS)
+    model.add_argument("--out", required=True)
+    tasks = sub.add_parser("tasks", help="downstream tasks' definitions and data sets (evaluate.tasks)")
+    tasks.add_argument(
+        "--tasks",
+        nargs="+",
+        required=True,
+        help="task YAMLs, tasks shipped in workflow/tasks or lm-eval registry names",
+    )
+    tasks.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    from fedtune.core import progress
+
+    progress.quiet_library_bars()
+    try:
+        if args.what == "data":
+            with progress.Heartbeat(f"download data to {args.out}"):
+                download_data(json.loads(args.spec), args.out, args.num_labels)
+        elif args.what == "tasks":
+            from fedtune.evaluate.downstream import prepare
+
+            with progress.Heartbeat(f"download tasks to {args.out}"):
+                record = prepare(args.tasks, args.out)
+            print(f"saved {', '.join(t['name'] for t in record['tasks'])} to {args.out}")
+        else:
+            spec = json.loads(args.spec)
+            with progress.Heartbeat(f"download model to {args.out}", measure=_download_measure(spec)):
+                download_model(spec, args.out, json.loads(args.corpora), args.task)
+    except (UserError, ValueError, OSError) as error:
+        print(f"error: {redact(str(error))}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,3 @@
+from fedtune.evaluate.scores import main
+
+raise SystemExit(main())

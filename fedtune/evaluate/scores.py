@@ -1,0 +1,510 @@
+"""Perplexity and bits per byte of one model on one site's test text.
+
+The documents are templated and tokenized exactly as the tokenize stage does it (BOS before and EOS
+after each document, nothing added by the tokenizer itself) and joined into one token stream. The stream
+is scored over windows of `max_length` tokens that start every `stride` tokens; in each window only the
+tokens not scored by an earlier window count, the rest is context (labels -100), as in the Hugging Face
+perplexity guide (https://huggingface.co/docs/transformers/perplexity). stride = max_length gives
+disjoint blocks, where the first token of each block has no context and is not scored.
+
+Perplexity depends on the tokenizer; bits per byte (total NLL in bits over the UTF-8 bytes of the text)
+does not, so models with different vocabularies can be compared on it.
+
+A classifier (--task sequence-classification) is scored by accuracy and macro-F1 on the test split's
+labels: each document is templated and tokenized as the tokenize stage does for classification (the
+tokenizer's special tokens, truncated at --max-length, which the workflow sets to tokenize.block_size)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from fedtune.core import adapters, offline, tracking
+from fedtune.core.accelerators import check_device
+from fedtune.core.atomic import write_json
+from fedtune.core.config import (
+    CAUSAL_LM,
+    CLASSIFICATION,
+    TASKS,
+    EvaluateOptions,
+    UserError,
+    check_fits,
+    check_template,
+    label_problem,
+)
+from fedtune.core.models import load_tokenizer
+from fedtune.core.progress import track
+from fedtune.tokenize.shards import TokenizeError, encode_documents, encode_examples
+
+
+class EvaluateError(UserError):
+    """Bad options or data: the message names the option or the file to fix."""
+
+
+@dataclass(frozen=True)
+class Window:
+    begin: int  # first token of the window in the stream
+    end: int  # one past the last token
+    targets: int  # the last `targets` tokens of the window are scored (when they have a predecessor)
+
+
+@dataclass
+class Stream:
+    ids: list[int]
+    documents: int
+    bytes: int
+
+
+def windows(n_tokens: int, max_length: int, stride: int | None = None) -> list[Window]:
+    """The HF perplexity guide's windows over a stream of n_tokens; stride None means disjoint blocks."""
+    stride = max_length if stride is None else stride
+    if max_length < 2:
+        raise EvaluateError(f"--max-length: {max_length} is too small (at least 2 tokens)")
+    if not 1 <= stride <= max_length:
+        raise EvaluateError(f"--stride: {stride} must be between 1 and --max-length ({max_length})")
+    result = []
+    previous_end = 0
+    for begin in range(0, n_tokens, stride):
+        end = min(begin + max_length, n_tokens)
+        result.append(Window(begin, end, end - previous_end))
+        previous_end = end
+        if end == n_tokens:
+            break
+    return result
+
+
+def build_stream(
+    texts: Iterable[str], tokenizer, template: str = "{text}", *, add_bos: bool = True
+) -> Stream:
+    """Template, tokenize and join the documents: [BOS] doc [EOS] [BOS] doc [EOS] ...
+
+    The tokenize stage's own encoder does it, so the evaluated text is exactly the trained-on kind."""
+
+    texts = list(texts)
+    try:
+        flat, _, n_bytes = encode_documents(texts, tokenizer, template, add_bos)
+    except TokenizeError as e:
+        raise EvaluateError(str(e)) from None
+    return Stream(flat.tolist(), len(texts), n_bytes)
+
+
+def score(
+    model, ids: Sequence[int], max_length: int, stride: int | None, batch_size: int, device=None,
+    desc: str = "evaluate",
+):  # fmt: skip
+    """(total NLL in nats, tokens scored, windows) of `model` on the token stream `ids`; `desc` labels
+    the progress bar (or, in a log, its periodic lines)."""
+    import torch
+    import torch.nn.functional as F
+
+    device = device or next(model.parameters()).device
+    spans = windows(len(ids), max_length, stride)
+    stream = torch.tensor(ids, dtype=torch.long)
+    # Summed on the device, read once at the end: a .item() per batch would stall a GPU every step.
+    nll = torch.zeros((), dtype=torch.float64, device=device)
+    scored = 0
+    for first in track(range(0, len(spans), batch_size), desc=desc, unit="batch"):
+        batch = spans[first : first + batch_size]
+        width = max(w.end - w.begin for w in batch)
+        # Right padding: a causal model's earlier positions never see it, and its labels are masked.
+        input_ids = torch.zeros((len(batch), width), dtype=torch.long)
+        labels = torch.full((len(batch), width), -100, dtype=torch.long)
+        attention = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, w in enumerate(batch):
+            length = w.end - w.begin
+            input_ids[row, :length] = stream[w.begin : w.end]
+            attention[row, :length] = 1
+            context = max(length - w.targets, 0)
+            labels[row, context:length] = stream[w.begin + context : w.end]
+        scored += int((labels[:, 1:] != -100).sum())
+        padded = bool((attention == 0).any())
+        input_ids, labels = input_ids.to(device), labels.to(device)
+        with torch.inference_mode():
+            logits = model(
+                input_ids=input_ids,
+                attention_mask=attention.to(device) if padded else None,
+                use_cache=False,
+            ).logits
+            # Row by row: fp32 logits of a whole batch of a 32k-vocabulary model take gigabytes.
+            for row in range(len(batch)):
+                nll += F.cross_entropy(
+                    logits[row, :-1].float(), labels[row, 1:], ignore_index=-100, reduction="sum"
+                ).double()
+    return nll.item(), scored, len(spans)
+
+
+def load_split(data_dir: str | Path, split: str, columns: dict[str, str], max_documents: int | None):
+    """The split's columns ({option: column name}), after checking each exists."""
+    from datasets import DatasetDict, load_from_disk
+
+    try:
+        data = load_from_disk(str(data_dir))
+    except FileNotFoundError:
+        raise EvaluateError(f"--data: no dataset saved with save_to_disk at {data_dir}") from None
+    if isinstance(data, DatasetDict):
+        if split not in data:
+            raise EvaluateError(f"--split: {data_dir} has no split {split!r}; it has {sorted(data)}")
+        data = data[split]
+    for option, column in columns.items():
+        if column not in data.column_names:
+            raise EvaluateError(f"{option}: {data_dir} has no column {column!r}; it has {data.column_names}")
+    if max_documents is not None:
+        data = data.select(range(min(max_documents, len(data))))
+    return data
+
+
+def load_texts(data_dir: str | Path, split: str, text_field: str, max_documents: int | None) -> list[str]:
+    return list(load_split(data_dir, split, {"--text-field": text_field}, max_documents)[text_field])
+
+
+def classification_metrics(labels: Sequence[int], predictions: Sequence[int]) -> dict:
+    """Accuracy, macro-F1 and per-class precision / recall / F1 / support. Macro-F1 averages over the
+    classes that occur among the labels or the predictions (scikit-learn's f1_score(average="macro")),
+    with F1 = 0 for a class never predicted correctly."""
+    import numpy as np
+
+    labels, predictions = np.asarray(labels), np.asarray(predictions)
+    if len(labels) == 0 or len(labels) != len(predictions):
+        raise EvaluateError(f"{len(labels)} labels and {len(predictions)} predictions: nothing to score")
+    classes = sorted(set(labels.tolist()) | set(predictions.tolist()))
+    per_class = {}
+    for c in classes:
+        tp = int(((predictions == c) & (labels == c)).sum())
+        predicted, actual = int((predictions == c).sum()), int((labels == c).sum())
+        precision = tp / predicted if predicted else 0.0
+        recall = tp / actual if actual else 0.0
+        f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+        per_class[str(c)] = {"precision": precision, "recall": recall, "f1": f1, "support": actual}
+    return {
+        "accuracy": float((labels == predictions).mean()),
+        "macro_f1": float(np.mean([m["f1"] for m in per_class.values()])),
+        "per_class": per_class,
+    }
+
+
+def classify(
+    model, rows, lengths, batch_size: int, device, desc: str = "evaluate"
+) -> tuple[list[int], list[list[float]]]:
+    """Predicted class and logits of each row; a batch is cut to its longest row, the rest masked."""
+    import torch
+
+    predictions, all_logits = [], []
+    for first in track(range(0, len(rows), batch_size), desc=desc, unit="batch"):
+        width = int(lengths[first : first + batch_size].max())
+        input_ids = torch.as_tensor(rows[first : first + batch_size, :width], dtype=torch.long)
+        mask = torch.arange(width)[None, :] < torch.as_tensor(lengths[first : first + batch_size])[:, None]
+        with torch.inference_mode():
+            logits = model(
+                input_ids=input_ids.to(device), attention_mask=mask.long().to(device)
+            ).logits.float()
+        predictions += logits.argmax(-1).tolist()
+        all_logits += logits.cpu().tolist()
+    return predictions, all_logits
+
+
+def evaluate_classifier(
+    model_dir: str | Path,
+    data_dir: str | Path,
+    *,
+    split: str,
+    text_field: str,
+    label_field: str,
+    template: str,
+    max_length: int,
+    batch_size: int,
+    max_documents: int | None,
+    dtype: str | None,
+    device: str,
+    base: str | Path | None = None,
+) -> dict:
+    import numpy as np
+    import torch
+
+    data = load_split(
+        data_dir, split, {"--text-field": text_field, "--label-field": label_field}, max_documents
+    )
+    labels = np.asarray(data.with_format("numpy")[label_field])
+    if len(labels) == 0:
+        raise EvaluateError(f"{data_dir} ({split}): no documents to classify")
+    tokenizer = load_tokenizer(adapters.weights_folder(model_dir, base))
+    model = adapters.load_model(model_dir, base=base, task=CLASSIFICATION, dtype=dtype)
+    num_labels = model.config.num_labels
+    problem = label_problem(labels, num_labels)
+    if problem:
+        raise EvaluateError(
+            f"--label-field: {data_dir} ({split}) column {label_field!r}: {problem} ({model_dir})"
+        )
+    try:
+        rows, lengths, _, truncated, n_bytes = encode_examples(
+            data[text_field], tokenizer, template, max_length
+        )
+    except TokenizeError as e:
+        raise EvaluateError(str(e)) from None
+    model.to(device).eval()
+    predictions, logits = classify(
+        model,
+        rows,
+        lengths,
+        batch_size,
+        device,
+        desc=f"evaluate {Path(model_dir).name} on {split} of {data_dir}",
+    )
+    log_probs = torch.log_softmax(torch.tensor(logits, dtype=torch.float64), dim=-1)
+    nll = float(-log_probs[torch.arange(len(labels)), torch.as_tensor(labels)].mean())
+    metrics = classification_metrics(labels.tolist(), predictions)
+    return {
+        **metrics,
+        "nll": nll,
+        "documents": len(labels),
+        "truncated": truncated,
+        "tokens": int(lengths.sum()),
+        "bytes": n_bytes,
+        "num_labels": num_labels,
+        "max_length": max_length,
+        "batch_size": batch_size,
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+    }
+
+
+def evaluate(
+    model_dir: str | Path,
+    data_dir: str | Path,
+    *,
+    split: str = "test",
+    text_field: str = "text",
+    template: str = "{text}",
+    max_length: int = 128,
+    stride: int | None = None,
+    batch_size: int = 8,
+    max_documents: int | None = None,
+    add_bos: bool = True,
+    dtype: str | None = None,
+    device: str | None = None,
+    site: str | None = None,
+    label: str | None = None,
+    round_number: int | None = None,
+    task: str = CAUSAL_LM,
+    label_field: str = "label",
+    base: str | Path | None = None,
+) -> dict:
+    """Scores of one model on one split. `base`: the base model of an adapter folder (train.adapter),
+    evaluated as base + adapter without merging."""
+    import torch
+
+    started = time.perf_counter()
+    if task != CLASSIFICATION:
+        windows(max_length, max_length, stride)  # option checks, before loading anything
+    if batch_size < 1:
+        raise EvaluateError(f"--batch-size: {batch_size} must be at least 1")
+    check_template(template, "--template")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    check_device(device)  # a GPU this torch build cannot drive stops here, not at the first kernel
+    identity = {
+        "model": label or Path(model_dir).name,
+        "model_dir": str(model_dir),
+        "round": round_number,
+        "site": site,
+        "task": task,
+        "data": str(data_dir),
+        "split": split,
+        "base": str(base) if base is not None and adapters.is_adapter(model_dir) else None,
+    }
+    if task == CLASSIFICATION:
+        scores = evaluate_classifier(
+            model_dir, data_dir, split=split, text_field=text_field, label_field=label_field,
+            template=template, max_length=max_length, batch_size=batch_size, max_documents=max_documents,
+            dtype=dtype, device=device, base=base,
+        )  # fmt: skip
+        return {
+            **identity,
+            **scores,
+            "template": template,
+            "device": str(device),
+            "wall_time_s": round(time.perf_counter() - started, 3),
+        }
+
+    texts = load_texts(data_dir, split, text_field, max_documents)
+    weights = adapters.weights_folder(model_dir, base)
+    tokenizer = load_tokenizer(weights)
+    stream = build_stream(texts, tokenizer, template, add_bos=add_bos)
+    if len(stream.ids) < 2:
+        raise EvaluateError(f"{data_dir} ({split}): {len(stream.ids)} tokens, nothing to score")
+    model_config = weights / "config.json"
+    if model_config.is_file():
+        check_fits(max_length, json.loads(model_config.read_text()), "--max-length", str(model_config))
+    model = adapters.load_model(model_dir, base=base, task=CAUSAL_LM, dtype=dtype)
+    model.to(device).eval()
+
+    nll, scored, n_windows = score(
+        model, stream.ids, max_length, stride, batch_size, device,
+        desc=f"evaluate {label or Path(model_dir).name} on {site or data_dir} ({split})",
+    )  # fmt: skip
+    mean = nll / scored
+    return {
+        **identity,
+        "perplexity": math.exp(mean),
+        "nll": mean,
+        "nll_sum": nll,
+        "bits_per_byte": nll / math.log(2) / stream.bytes if stream.bytes else None,
+        "tokens": scored,
+        "stream_tokens": len(stream.ids),
+        "documents": stream.documents,
+        "bytes": stream.bytes,
+        "windows": n_windows,
+        "max_length": max_length,
+        "stride": stride if stride is not None else max_length,
+        "batch_size": batch_size,
+        "template": template,
+        "add_bos": add_bos,
+        "device": str(device),
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "wall_time_s": round(time.perf_counter() - started, 3),
+    }
+
+
+def _stride(text: str) -> int | None:
+    if text.lower() in ("none", "null", ""):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a number nor none") from None
+
+
+# The options of one evaluation; `intermediate` says which evaluations the workflow asks for, and the
+# downstream keys are fedtune.evaluate.downstream's.
+OPTION_KEYS = tuple(
+    key
+    for key in EvaluateOptions.__dataclass_fields__
+    if key != "intermediate" and key not in EvaluateOptions.DOWNSTREAM_KEYS
+)
+_UNSET = object()
+
+
+def resolve_options(options_json: str | None, flags: dict) -> EvaluateOptions:
+    """The evaluate config section (--options: EvaluateOptions' JSON form, defaults filled in), with any
+    option also given as its own flag taking precedence."""
+    import dataclasses
+
+    options = EvaluateOptions.from_json(options_json or "{}", source="--options")
+    given = {key: value for key, value in flags.items() if value is not _UNSET}
+    return dataclasses.replace(options, **given)
+
+
+def _tracking_options(args) -> dict | None:
+    """The tracking section of --tracking, checked before any model loads (None: not tracked)."""
+    if args.tracking is None:
+        return None
+    try:
+        options = json.loads(args.tracking)
+    except json.JSONDecodeError as e:
+        raise tracking.TrackingError(f"--tracking: not valid JSON: {e}") from None
+    options = tracking.check_available(options)
+    if options["backend"] != "none" and (args.run_name is None or args.round is None or args.label is None):
+        raise tracking.TrackingError(
+            "--tracking: needs --run-name, --round and --label to name the tracked run"
+        )
+    return options
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    offline.enforce()
+    parser = argparse.ArgumentParser(
+        prog="python -m fedtune.evaluate",
+        description="Perplexity and bits per byte of one model on one site's raw test split.",
+    )
+    parser.add_argument(
+        "--model", required=True, help="HF model folder (save_pretrained) or PEFT adapter folder"
+    )
+    parser.add_argument("--base", default=None, help="the base model of an adapter --model (train.adapter)")
+    parser.add_argument(
+        "--data", required=True, help="raw DatasetDict folder (save_to_disk): data/<site>/raw"
+    )
+    parser.add_argument("--split", default="test")
+    parser.add_argument("--text-field", default="text")
+    parser.add_argument("--task", choices=TASKS, default=CAUSAL_LM)
+    parser.add_argument("--label-field", default="label", help="class column (sequence-classification)")
+    parser.add_argument("--template", default="{text}", help="format string applied to each document")
+    parser.add_argument(
+        "--options",
+        default=None,
+        help="the evaluate config section as JSON (evaluate.schema.yaml); the flags below override it",
+    )
+    parser.add_argument("--max-length", type=int, default=_UNSET, help="tokens per window (128)")
+    parser.add_argument(
+        "--stride",
+        type=_stride,
+        default=_UNSET,
+        help="step between windows; none: max-length, disjoint blocks (none)",
+    )
+    parser.add_argument("--batch-size", type=int, default=_UNSET, help="windows per forward pass (8)")
+    parser.add_argument(
+        "--max-documents", type=int, default=_UNSET, help="evaluate the first N documents (all)"
+    )
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=_UNSET)
+    parser.add_argument("--add-bos", action=argparse.BooleanOptionalAction, default=True, help="as tokenize")
+    parser.add_argument("--device", default=None, help="default: cuda when present, else cpu")
+    parser.add_argument("--site", default=None, help="name of the site whose text this is (for the report)")
+    parser.add_argument(
+        "--label", default=None, help="name of the model in the report: base, a site, aggregate"
+    )
+    parser.add_argument("--round", type=int, default=None, help="federation round of the model (base: 0)")
+    parser.add_argument("--out", required=True, help="result JSON")
+    parser.add_argument(
+        "--tracking",
+        default=None,
+        help="the config's tracking section as JSON, dir resolved (fedtune.core.tracking)",
+    )
+    parser.add_argument("--run-name", default=None, help="the run's name, for the tracked run's name")
+    args = parser.parse_args(argv)
+
+    try:
+        tracked = _tracking_options(args)
+        options = resolve_options(args.options, {key: getattr(args, key) for key in OPTION_KEYS})
+        result = evaluate(
+            args.model,
+            args.data,
+            split=args.split,
+            text_field=args.text_field,
+            template=args.template,
+            add_bos=args.add_bos,
+            device=args.device,
+            site=args.site,
+            label=args.label,
+            round_number=args.round,
+            task=args.task,
+            label_field=args.label_field,
+            base=args.base,
+            **{key: getattr(options, key) for key in OPTION_KEYS},
+        )
+    except UserError as e:
+        print(f"evaluate: error: {e}", file=sys.stderr)
+        return 2
+    write_json(args.out, result)
+    if tracked is not None:
+        tracking.log_evaluation(tracked, result, run=args.run_name)
+    if args.task == CLASSIFICATION:
+        print(
+            f"[evaluate] {result['model']} on {result['site'] or args.data}: accuracy {result['accuracy']:.4f}, "
+            f"macro-F1 {result['macro_f1']:.4f} on {result['documents']:,} documents, "
+            f"{result['wall_time_s']:.1f} s on {result['device']}",
+            file=sys.stderr,
+        )
+        return 0
+    print(
+        f"[evaluate] {result['model']} on {result['site'] or args.data}: perplexity {result['perplexity']:.4f}, "
+        f"{result['bits_per_byte']:.4f} bits/byte, {result['tokens']:,} tokens in {result['windows']} windows, "
+        f"{result['wall_time_s']:.1f} s on {result['device']}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,3 @@
+from fedtune.report.build import main
+
+raise SystemExit(main())

@@ -1,0 +1,672 @@
+"""The run's report: every model on every site's test text, and how each site's training went.
+
+Inputs are the evaluate stage's JSON files (each names its model, round and site) and the train stage's
+training.json and loss.csv per (round, site). Outputs, in --out:
+
+    perplexity.csv / .md     one row per model (round, model), one column per site's test split
+    bits_per_byte.csv        the same for bits per byte, which compares models across tokenizers
+    perplexity.png           heatmap of the perplexity table
+    rounds.png               perplexity of each round's aggregate (and the base model) per site
+    training.csv / .md       per (round, site): steps, tokens, wall time, tokens/s, final loss
+    loss.png                 loss curves of every site, rounds one after the other
+    perplexity.html          the perplexity and bits-per-byte tables as a web page (snakemake --report)
+    training.html            the training table as a web page
+    settings.csv / .html     the run's settings, one row per config key (with --settings)
+    tasks/<task>.csv / .md / .html   with --tasks: one table per downstream task (evaluate.tasks), one row
+                             per model, one column per metric (fedtune.evaluate.downstream's CSVs)
+
+For classifiers (task sequence-classification) accuracy takes the place of perplexity (accuracy.csv /
+.md / .png, the .md with macro-F1 below it) and macro_f1.csv that of bits per byte; higher is better.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from fedtune.core import offline
+from fedtune.core.atomic import write_text
+from fedtune.core.config import CAUSAL_LM, CLASSIFICATION, UserError
+
+BASE = "base"
+AGGREGATE = "aggregate"
+POOLED = "pooled"
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """What a task's report shows: its main and second metric, and which way is better."""
+
+    main: str
+    second: str
+    title: str
+    lower_is_better: bool
+
+
+TASK_METRICS = {
+    CAUSAL_LM: Metrics("perplexity", "bits_per_byte", "Perplexity", lower_is_better=True),
+    CLASSIFICATION: Metrics("accuracy", "macro_f1", "Accuracy", lower_is_better=False),
+}
+
+TRAINING_COLUMNS = [
+    "round",
+    "site",
+    "steps",
+    "tokens",
+    "wall_time_s",
+    "tokens_per_s",
+    "final_loss",
+    "world_size",
+    "backend",
+    "sharding",
+    "sent_mb",
+]
+
+
+class ReportError(UserError):
+    """Inputs that do not fit together: the message names the file."""
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ReportError(f"{path}: not found") from None
+    except json.JSONDecodeError as e:
+        raise ReportError(f"{path}: not valid JSON: {e}") from None
+
+
+def _warn(message: str) -> None:
+    print(f"report: warning: {message}", file=sys.stderr)
+
+
+def parse_labelled(item: str, option: str) -> tuple[int, str, Path]:
+    """ROUND:SITE=PATH -> (round, site, path)."""
+    key, sep, path = item.partition("=")
+    round_text, colon, site = key.partition(":")
+    if not (sep and colon and path and site and round_text.isdigit()):
+        raise ReportError(f"{option}: {item!r} is not ROUND:SITE=PATH (for example 1:alpha=results/...)")
+    return int(round_text), site, Path(path)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tables
+
+
+def model_order(model: str, sites: Sequence[str]) -> tuple[int, int, str]:
+    if model == BASE:
+        return (0, 0, model)
+    if model in sites:
+        return (1, sites.index(model), model)
+    if model == AGGREGATE:
+        return (2, 0, model)
+    if model == POOLED:
+        return (4, 0, model)
+    return (3, 0, model)
+
+
+def gap_table(table: pd.DataFrame, metrics: Metrics) -> pd.DataFrame:
+    """The federation gap per round, merged model and site: how many times worse than the pooled model
+    (trained on every site's data at once) the merged model is: perplexity / pooled perplexity, or for
+    classifiers pooled accuracy / accuracy. 1 is as good as pooling the data. Merged models are the
+    aggregate and any compared merge method (every model that is neither base, pooled nor a site)."""
+    sites = list(table.columns[2:])
+    pooled = table[table["model"] == POOLED]
+    if pooled.empty:
+        return pd.DataFrame(columns=["round", "model", *sites])
+    reference = pooled.iloc[0]
+    merged = table[~table["model"].isin([BASE, POOLED, *sites])]
+    rows = []
+    for _, row in merged.iterrows():
+        ratios = {}
+        for site in sites:
+            value, best = row[site], reference[site]
+            if pd.isna(value) or pd.isna(best):
+                ratios[site] = None
+            else:
+                ratios[site] = value / best if metrics.lower_is_better else best / value
+        rows.append({"round": row["round"], "model": row["model"], **ratios})
+    return pd.DataFrame(rows, columns=["round", "model", *sites])
+
+
+def gap_figure(gap: pd.DataFrame, path: Path) -> None:
+    """The gap of each merged model over the rounds, one line per (model, site), log scale."""
+    plt = _pyplot()
+    sites = list(gap.columns[2:])
+    fig, ax = plt.subplots(figsize=(6, 4), layout="constrained")
+    for m, (model, rows) in enumerate(gap.groupby("model", sort=False)):
+        rows = rows.sort_values("round")
+        for k, site in enumerate(sites):
+            style = "-" if model == AGGREGATE else ["--", ":", "-."][m % 3]
+            ax.plot(
+                rows["round"], rows[site], style, marker="o", color=f"C{k}", label=f"{model}, {site} test"
+            )
+    ax.axhline(1.0, color="grey", linewidth=1)
+    ax.set_xlabel("round")
+    ax.set_ylabel("gap to the pooled model (1 = as good)")
+    ax.set_yscale("log")
+    if len(gap):
+        ax.set_xticks(sorted(set(gap["round"])))
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def eval_table(results: Sequence[dict], metric: str) -> pd.DataFrame:
+    """Rows (round, model), columns the sites in order of first appearance; base is round 0."""
+    sites: list[str] = []
+    rows: dict[tuple[int, str], dict[str, float]] = {}
+    for r in results:
+        if r["site"] not in sites:
+            sites.append(r["site"])
+        key = (r["round"], r["model"])
+        cell = rows.setdefault(key, {})
+        if r["site"] in cell:
+            raise ReportError(f"two results for model {r['model']} (round {r['round']}) on site {r['site']}")
+        cell[r["site"]] = r[metric]
+    keys = sorted(rows, key=lambda k: (k[0], *model_order(k[1], sites)))
+    table = pd.DataFrame(
+        [
+            {"round": rnd, "model": model, **{s: rows[(rnd, model)].get(s) for s in sites}}
+            for rnd, model in keys
+        ],
+        columns=["round", "model", *sites],
+    )
+    return table
+
+
+def load_evals(paths: Sequence[str | Path]) -> list[dict]:
+    """The evaluation results, all of one task (results without a task are language-model ones)."""
+    results, task = [], None
+    for path in paths:
+        r = _read_json(Path(path))
+        r.setdefault("task", CAUSAL_LM)
+        if r["task"] not in TASK_METRICS:
+            raise ReportError(f"{path}: unknown task {r['task']!r}")
+        if task is not None and r["task"] != task:
+            raise ReportError(f"{path}: a {r['task']} result among {task} results")
+        task = r["task"]
+        missing = [k for k in ("model", "site", TASK_METRICS[task].main) if r.get(k) is None]
+        if missing:
+            raise ReportError(f"{path}: evaluation result without {missing}")
+        r["round"] = int(r.get("round") or 0)
+        results.append(r)
+    return results
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def task_tables(
+    paths: Sequence[str | Path], names: Sequence[str], sites: Sequence[str]
+) -> dict[str, pd.DataFrame]:
+    """One table per downstream task (fedtune.evaluate.downstream's CSVs): rows (round, model) in the main table's
+    order, columns the task's metrics; a group's columns are `<member task> <metric>`."""
+    frames = []
+    for path in paths:
+        try:
+            frame = pd.read_csv(path, keep_default_na=False, dtype={"value": float})
+        except (OSError, ValueError) as e:
+            raise ReportError(f"{path}: not a task score CSV: {e}") from None
+        missing = {"model", "round", "entry", "task", "metric", "value"} - set(frame.columns)
+        if missing:
+            raise ReportError(f"{path}: task score CSV without columns {sorted(missing)}")
+        frames.append(frame)
+    scores = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    tables = {}
+    for name in names:
+        part = scores[scores["entry"] == name] if len(scores) else scores
+        if part.empty:
+            raise ReportError(f"--tasks: no scores of task {name} in {', '.join(map(str, paths))}")
+        part = part.assign(
+            round=pd.to_numeric(part["round"]).astype(int),
+            column=[
+                m if t == name else f"{t} {m}" for t, m in zip(part["task"], part["metric"], strict=True)
+            ],
+        )
+        if part.duplicated(["round", "model", "column"]).any():
+            raise ReportError(f"--tasks: two scores of one model for task {name}")
+        table = part.pivot(index=["round", "model"], columns="column", values="value")
+        keys = sorted(table.index, key=lambda k: (k[0], *model_order(k[1], list(sites))))
+        columns = list(dict.fromkeys(part["column"]))
+        tables[name] = table.loc[keys, columns].reset_index().rename_axis(columns=None)
+    return tables
+
+
+def training_table(entries: Sequence[tuple[int, str, Path]]) -> pd.DataFrame:
+    rows = []
+    for rnd, site, path in entries:
+        if not Path(path).is_file():
+            _warn(f"{path}: training summary not found; site {site} round {rnd} left out")
+            continue
+        t = _read_json(path)
+        tokens = t.get("tokens_seen", t.get("tokens"))
+        wall = t.get("wall_time_s")
+        speed = t.get("tokens_per_s")
+        if speed is None and tokens is not None and wall:
+            speed = tokens / wall
+        rows.append(
+            {
+                "round": rnd,
+                "site": t.get("site", site),
+                "steps": t.get("steps"),
+                "tokens": tokens,
+                "wall_time_s": wall,
+                "tokens_per_s": speed,
+                "final_loss": t.get("final_loss"),
+                "world_size": t.get("world_size"),
+                "backend": t.get("backend"),
+                "sharding": t.get("sharding"),
+                # What the site's folder moves to the aggregating cluster each round: a whole model, or
+                # with train.adapter only the adapter (fetch_site_model copies the folder as it is).
+                "sent_mb": None if site == "pooled" else folder_bytes(Path(path).parent) / 1e6,
+            }
+        )
+    table = pd.DataFrame(rows, columns=TRAINING_COLUMNS)
+    for column in ("round", "steps", "tokens", "world_size"):
+        table[column] = pd.to_numeric(table[column]).astype("Int64")
+    return table.sort_values(["round"], kind="stable").reset_index(drop=True)
+
+
+def _cell(value, digits: int) -> str:
+    if value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def markdown(
+    table: pd.DataFrame,
+    digits: int | dict[str, int] = 3,
+    bold_min: Sequence[str] = (),
+    bold_max: Sequence[str] = (),
+) -> str:
+    """A GitHub Markdown table; `digits` per column or for all; the lowest value of each `bold_min`
+    column and the highest of each `bold_max` column in bold."""
+    header = "| " + " | ".join(str(c) for c in table.columns) + " |"
+    align = (
+        "|"
+        + "|".join("---:" if pd.api.types.is_numeric_dtype(table[c]) else "---" for c in table.columns)
+        + "|"
+    )
+    best = {c: table[c].min() for c in bold_min if table[c].notna().any()}
+    best.update({c: table[c].max() for c in bold_max if table[c].notna().any()})
+    lines = [header, align]
+    for _, row in table.iterrows():
+        cells = []
+        for c in table.columns:
+            value = row[c]
+            value = value.item() if hasattr(value, "item") else value
+            text = _cell(value, digits.get(c, 3) if isinstance(digits, dict) else digits)
+            if c in best and value == best[c]:
+                text = f"**{text}**"
+            cells.append(text)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+HTML_STYLE = (
+    "body{font-family:system-ui,sans-serif;margin:1em;color:#111}"
+    "table{border-collapse:collapse;margin:0.5em 0 1.5em}"
+    "th,td{border:1px solid #bbb;padding:0.25em 0.6em}td.n{text-align:right}"
+    "th{background:#e8edf3}td.best{font-weight:bold;background:#e6f4ea}"
+)
+
+
+def html_page(title: str, sections: Sequence[tuple[str, pd.DataFrame, dict]]) -> str:
+    """A self-contained web page of tables, for the Snakemake report (which shows HTML, not CSV):
+    each section is (heading, table, options for markdown-like formatting: digits, bold_min, bold_max)."""
+    from html import escape
+
+    parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{escape(title)}</title>"]
+    parts.append(f"<style>{HTML_STYLE}</style></head><body><h2>{escape(title)}</h2>")
+    for heading, table, options in sections:
+        digits = options.get("digits", 3)
+        best = {c: table[c].min() for c in options.get("bold_min", ()) if table[c].notna().any()}
+        best.update({c: table[c].max() for c in options.get("bold_max", ()) if table[c].notna().any()})
+        if heading:
+            parts.append(f"<p>{escape(heading)}</p>")
+        parts.append("<table><thead><tr>")
+        parts += [f"<th>{escape(str(c))}</th>" for c in table.columns]
+        parts.append("</tr></thead><tbody>")
+        for _, row in table.iterrows():
+            parts.append("<tr>")
+            for c in table.columns:
+                value = row[c]
+                value = value.item() if hasattr(value, "item") else value
+                text = _cell(value, digits.get(c, 3) if isinstance(digits, dict) else digits)
+                classes = ["n"] if pd.api.types.is_numeric_dtype(table[c]) else []
+                if c in best and value == best[c]:
+                    classes.append("best")
+                cls = f" class='{' '.join(classes)}'" if classes else ""
+                parts.append(f"<td{cls}>{escape(text)}</td>")
+            parts.append("</tr>")
+        parts.append("</tbody></table>")
+    parts.append("</body></html>\n")
+    return "".join(parts)
+
+
+def _row_labels(table: pd.DataFrame) -> list[str]:
+    return [
+        model if rnd == 0 else f"round {rnd} · {model}"
+        for rnd, model in zip(table["round"], table["model"], strict=True)
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Figures
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _short(value: float) -> str:
+    return f"{value:,.0f}" if value >= 1000 else f"{value:.2f}"
+
+
+def heatmap(table: pd.DataFrame, path: Path, title: str, metrics: Metrics = TASK_METRICS[CAUSAL_LM]) -> None:
+    import numpy as np
+
+    plt = _pyplot()
+    sites = list(table.columns[2:])
+    values = table[sites].to_numpy(dtype=float)
+    labels = _row_labels(table)
+    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(sites), 1.2 + 0.45 * len(labels)), layout="constrained")
+    # Colour by log perplexity: one model can be 100x worse on a foreign site, which would flatten
+    # every other difference on a linear scale. Accuracy lives in [0, 1]: linear.
+    log = metrics.lower_is_better
+    scale = np.log(values) if log else values
+    shown = np.ma.masked_invalid(scale)
+    image = ax.imshow(shown, cmap="viridis_r" if log else "viridis", aspect="auto")
+    for i in range(values.shape[0]):
+        for j in range(values.shape[1]):
+            if np.isfinite(values[i, j]):
+                middle = (np.nanmin(scale) + np.nanmax(scale)) / 2
+                dark = shown[i, j] > middle if log else shown[i, j] < middle
+                ax.text(
+                    j, i, f"{values[i, j]:.2f}", ha="center", va="center", color="white" if dark else "black"
+                )
+    ax.set_xticks(range(len(sites)), [f"{s} test" for s in sites])
+    ax.set_yticks(range(len(labels)), labels)
+    ax.set_title(title)
+    fig.colorbar(
+        image,
+        ax=ax,
+        label=f"log {metrics.main} (lower is better)" if log else f"{metrics.main} (higher is better)",
+    )
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def rounds_figure(table: pd.DataFrame, path: Path, metrics: Metrics = TASK_METRICS[CAUSAL_LM]) -> None:
+    plt = _pyplot()
+    sites = list(table.columns[2:])
+    fig, ax = plt.subplots(figsize=(6, 4), layout="constrained")
+    base = table[table["model"] == BASE]
+    merged = table[table["model"] == AGGREGATE].sort_values("round")
+    for k, site in enumerate(sites):
+        color = f"C{k}"
+        points = [(0, base[site].iloc[0])] if len(base) and pd.notna(base[site].iloc[0]) else []
+        points += [(r, v) for r, v in zip(merged["round"], merged[site], strict=True) if pd.notna(v)]
+        if points:
+            xs, ys = zip(*points, strict=True)
+            ax.plot(xs, ys, marker="o", color=color, label=f"{site} test")
+    ax.set_xticks(sorted({0, *merged["round"]}))
+    ax.set_xlabel("round (0 = base model)")
+    ax.set_ylabel(f"{metrics.main} of the aggregate")
+    if metrics.lower_is_better:
+        ax.set_yscale("log")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def loss_figure(entries: Sequence[tuple[int, str, Path]], path: Path) -> None:
+    """Every site's loss on one axis; round r continues after round r-1's last step."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
+    curves: dict[str, list[tuple[int, pd.DataFrame]]] = {}
+    for rnd, site, csv in entries:
+        if not Path(csv).is_file():
+            _warn(f"{csv}: loss file not found; site {site} round {rnd} left out")
+            continue
+        frame = pd.read_csv(csv)
+        if not {"step", "loss"} <= set(frame.columns):
+            raise ReportError(f"{csv}: needs the columns step and loss; has {list(frame.columns)}")
+        curves.setdefault(site, []).append((rnd, frame))
+    boundaries: set[int] = set()
+    for k, (site, runs) in enumerate(curves.items()):
+        offset = 0
+        for n, (_, frame) in enumerate(sorted(runs, key=lambda x: x[0])):
+            ax.plot(
+                frame["step"] + offset, frame["loss"], color=f"C{k}", label=site if n == 0 else None, lw=1.2
+            )
+            offset += int(frame["step"].max()) if len(frame) else 0
+            boundaries.add(offset)
+    if len({rnd for rnd, _, _ in entries}) > 1:
+        for x in sorted(boundaries)[:-1]:
+            ax.axvline(x, color="grey", ls=":", lw=0.8)
+    ax.set_xlabel("optimizer step (rounds one after the other)")
+    ax.set_ylabel("training loss")
+    ax.grid(alpha=0.3)
+    if curves:
+        ax.legend(title="site")
+    else:
+        ax.text(0.5, 0.5, "no loss curves", ha="center", va="center", transform=ax.transAxes)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def settings_table(settings: dict) -> pd.DataFrame:
+    """A nested config as one row per leaf key (`sites.alpha.train.backend`); lists stay JSON."""
+    rows = []
+
+    def walk(value, key):
+        if isinstance(value, dict) and value:
+            for name, inner in value.items():
+                walk(inner, f"{key}.{name}" if key else str(name))
+        else:
+            rows.append((key, value if isinstance(value, str) else json.dumps(value)))
+
+    walk(settings, "")
+    return pd.DataFrame(rows, columns=["setting", "value"])
+
+
+def report(
+    out_dir: str | Path,
+    evals: Sequence[str | Path],
+    training: Sequence[tuple[int, str, Path]] = (),
+    losses: Sequence[tuple[int, str, Path]] = (),
+    settings: dict | None = None,
+    tasks: Sequence[str | Path] = (),
+    task_names: Sequence[str] = (),
+) -> dict[str, Path]:
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = load_evals(evals)
+    if not results:
+        raise ReportError("no evaluation results (--eval)")
+    metrics = TASK_METRICS[results[0]["task"]]
+    main = eval_table(results, metrics.main)
+    second = eval_table([r for r in results if r.get(metrics.second) is not None], metrics.second)
+    sites = list(main.columns[2:])
+    train = training_table(training)
+
+    paths = {
+        f"{metrics.main}_csv": out_dir / f"{metrics.main}.csv",
+        f"{metrics.main}_md": out_dir / f"{metrics.main}.md",
+        f"{metrics.second}_csv": out_dir / f"{metrics.second}.csv",
+        f"{metrics.main}_png": out_dir / f"{metrics.main}.png",
+        "rounds_png": out_dir / "rounds.png",
+        "training_csv": out_dir / "training.csv",
+        "training_md": out_dir / "training.md",
+        "loss_png": out_dir / "loss.png",
+    }
+    write_text(paths[f"{metrics.main}_csv"], main.to_csv(index=False))
+    write_text(paths[f"{metrics.second}_csv"], second.to_csv(index=False))
+    best = "lowest" if metrics.lower_is_better else "highest"
+    bold = {"bold_min" if metrics.lower_is_better else "bold_max": sites}
+    text = (
+        f"{metrics.title} of each model (rows) on each site's test split (columns); the {best} per column "
+        f"in bold. Round 0 is the base model.\n\n" + markdown(main, **bold)
+    )
+    if not metrics.lower_is_better:
+        text += "\nMacro-F1 (the mean of the per-class F1 scores):\n\n" + markdown(second, **bold)
+    write_text(paths[f"{metrics.main}_md"], text)
+    second_title = (
+        "Macro-F1 (the mean of the per-class F1 scores)"
+        if not metrics.lower_is_better
+        else ("Bits per byte (independent of the tokenizer)")
+    )
+    paths[f"{metrics.main}_html"] = out_dir / f"{metrics.main}.html"
+    write_text(
+        paths[f"{metrics.main}_html"],
+        html_page(
+            f"{metrics.title} of each model on each site's test split",
+            [
+                (f"{metrics.title}: the {best} per column in bold. Round 0 is the base model.", main, bold),
+                (f"{second_title}:", second, bold),
+            ],
+        ),
+    )
+    training_digits = {"wall_time_s": 1, "tokens_per_s": 0, "final_loss": 4, "sent_mb": 3}
+    write_text(paths["training_csv"], train.to_csv(index=False))
+    write_text(paths["training_md"], markdown(train, digits=training_digits))
+    paths["training_html"] = out_dir / "training.html"
+    write_text(
+        paths["training_html"], html_page("Training of each site", [("", train, {"digits": training_digits})])
+    )
+    gap = gap_table(main, metrics)
+    if len(gap):
+        paths.update(
+            gap_csv=out_dir / "gap.csv",
+            gap_md=out_dir / "gap.md",
+            gap_html=out_dir / "gap.html",
+            gap_png=out_dir / "gap.png",
+        )
+        write_text(paths["gap_csv"], gap.to_csv(index=False))
+        gap_digits = {"digits": {site: 2 for site in sites}}
+        write_text(
+            paths["gap_html"], html_page("Federation gap to the pooled model", [("", gap, gap_digits)])
+        )
+        write_text(
+            paths["gap_md"],
+            f"Federation gap: {metrics.main} of each merged model relative to the pooled model (trained on "
+            "every site's data at once with the same tokens); 1 is as good as pooling the data.\n\n"
+            + markdown(gap, digits={site: 2 for site in sites}),
+        )
+        gap_figure(gap, paths["gap_png"])
+    heatmap(main, paths[f"{metrics.main}_png"], f"{metrics.title} on each site's test split", metrics)
+    rounds_figure(main, paths["rounds_png"], metrics)
+    loss_figure(losses, paths["loss_png"])
+    for name, table in task_tables(tasks, task_names, sites).items():
+        paths.update(
+            {f"task_{name}_{ext}": out_dir / "tasks" / f"{name}.{ext}" for ext in ("csv", "md", "html")}
+        )
+        digits = {column: 4 for column in table.columns[2:]}
+        heading = (
+            f"Task {name} (lm-evaluation-harness): each model's scores. Round 0 is the base model; "
+            "perplexities and bits per byte are better lower, accuracies higher."
+        )
+        write_text(paths[f"task_{name}_csv"], table.to_csv(index=False))
+        write_text(paths[f"task_{name}_md"], f"{heading}\n\n" + markdown(table, digits=digits))
+        write_text(
+            paths[f"task_{name}_html"], html_page(f"Task {name}", [(heading, table, {"digits": digits})])
+        )
+    if settings is not None:
+        table = settings_table(settings)
+        paths["settings_csv"] = out_dir / "settings.csv"
+        paths["settings_html"] = out_dir / "settings.html"
+        write_text(paths["settings_csv"], table.to_csv(index=False))
+        write_text(paths["settings_html"], html_page("Settings of the run", [("", table, {})]))
+    return paths
+
+
+def _settings(path: str | None) -> dict | None:
+    if path is None:
+        return None
+    try:
+        settings = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ReportError(f"--settings: {path}: not a readable JSON file: {e}") from None
+    if not isinstance(settings, dict):
+        raise ReportError(f"--settings: {path}: must hold a JSON object (the run's config)")
+    return settings
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    offline.enforce()
+    parser = argparse.ArgumentParser(
+        prog="python -m fedtune.report",
+        description="Tables and figures of a run: perplexity per model and site, training summary, loss.",
+    )
+    parser.add_argument("--out", required=True, help="report folder")
+    parser.add_argument(
+        "--eval", nargs="+", action="extend", required=True, metavar="JSON", help="evaluate results"
+    )
+    parser.add_argument(
+        "--training",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="ROUND:SITE=JSON",
+        help="training.json of each site model",
+    )
+    parser.add_argument(
+        "--loss",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="ROUND:SITE=CSV",
+        help="loss.csv of each site model",
+    )
+    parser.add_argument("--settings", metavar="JSON", help="a JSON file of the run's config (with defaults)")
+    parser.add_argument(
+        "--tasks", nargs="+", action="extend", default=[], metavar="CSV", help="downstream task scores"
+    )
+    parser.add_argument(
+        "--task-names", nargs="+", action="extend", default=[], metavar="TASK", help="one table per task"
+    )
+    args = parser.parse_args(argv)
+    try:
+        training = [parse_labelled(item, "--training") for item in args.training]
+        losses = [parse_labelled(item, "--loss") for item in args.loss]
+        settings = _settings(args.settings)
+        if bool(args.tasks) != bool(args.task_names):
+            raise ReportError(
+                "--tasks and --task-names go together: the score CSVs and the tasks to tabulate"
+            )
+        paths = report(args.out, args.eval, training, losses, settings, args.tasks, args.task_names)
+    except ReportError as e:
+        print(f"report: error: {e}", file=sys.stderr)
+        return 2
+    table = next(path for key, path in paths.items() if key.endswith("_md") and key != "training_md")
+    print(Path(table).read_text(encoding="utf-8"), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

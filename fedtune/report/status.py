@@ -1,0 +1,230 @@
+"""How far a run is, read from its folder alone (no Slurm call): per round and site, the training step
+reached, the newest checkpoint, the last loss and tokens/s and an estimate of the time left; then
+whether each round's aggregate and evaluations exist. After the run it prints the same table as a
+summary.
+
+    python -m fedtune.report.status [--configfile config/config.yaml]
+
+Sources, newest information first: the train job's log (`logs/train/round-<r>/<site>.log`, one line
+every `log_every` steps), the newest complete checkpoint (`checkpoints/step-*/trainer.json` and
+`loss.csv`) and, once a site is done, its model folder (`model/training.json` and `loss.csv`)."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import re
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from fedtune.train import checkpoint
+
+DEFAULT_CONFIG = "config/config.yaml"
+# The progress line fedtune.train.loop prints: "step 40/60 | loss 3.1234 | ... | 12,345 tok/s | ...".
+LOG_STEP = re.compile(r"^step (\d+)/(\d+) \| loss ([-+.\deE]+|nan) \|.*\| ([\d,.]+) tok/s")
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """What status needs from a config: where the run lives and what it holds."""
+
+    run_dir: Path
+    rounds: int
+    sites: tuple[str, ...]
+    report_table: str = "perplexity.csv"  # the report's main table, written last
+    merged: tuple[str, ...] = ("aggregate",)  # the aggregate and the methods of aggregate.compare
+    intermediate: str = "all"  # evaluate.intermediate: which models of the rounds before the last
+
+    def evaluated(self, round: int) -> tuple[str, ...]:
+        """The models the workflow evaluates after `round` (as common.smk's round_models)."""
+        if round == self.rounds or self.intermediate == "all":
+            return (*self.sites, *self.merged)
+        return self.merged if self.intermediate == "aggregate" else ()
+
+
+def layout_from_config(path: str | Path) -> RunLayout:
+    """The run folder, rounds and sites of a config, with the schema's defaults applied."""
+    from fedtune.core.config import load_run_config
+
+    run = load_run_config(path)
+    return RunLayout(
+        run_dir=run.run_dir,
+        rounds=run.rounds,
+        sites=tuple(run.sites),
+        report_table="accuracy.csv" if run.classification else "perplexity.csv",
+        merged=("aggregate", *run.aggregate["compare"]),
+        intermediate=run.evaluate.intermediate,
+    )
+
+
+@dataclass
+class SiteStatus:
+    round: int
+    site: str
+    state: str  # done | training | waiting | failed
+    step: int | None = None
+    total_steps: int | None = None
+    checkpoint: str | None = None
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    elapsed_s: float | None = None
+    eta_s: float | None = None
+
+
+def _last_row(loss_csv: Path) -> dict | None:
+    if not loss_csv.is_file():
+        return None
+    rows = list(csv.DictReader(io.StringIO(loss_csv.read_text())))
+    return rows[-1] if rows else None
+
+
+def _last_log_step(log: Path) -> tuple[int, int, float, float] | None:
+    """(step, total, loss, tokens/s) of the last progress line in a train log (retries append)."""
+    if not log.is_file():
+        return None
+    found = None
+    for line in log.read_text(errors="replace").splitlines():
+        if m := LOG_STEP.match(line.strip()):
+            found = (int(m[1]), int(m[2]), float(m[3]), float(m[4].replace(",", "")))
+    return found
+
+
+def _log_failed(log: Path) -> bool:
+    """A job that stopped on an error leaves `error: ...` (a user error) or a traceback last."""
+    if not log.is_file():
+        return False
+    tail = log.read_text(errors="replace").strip().splitlines()[-30:]
+    return any(line.startswith(("error:", "Traceback")) for line in tail)
+
+
+def site_status(run_dir: Path, round: int, site: str) -> SiteStatus:
+    folder = run_dir / f"round-{round}" / site
+    model = folder / "model"
+    log = run_dir / "logs" / "train" / f"round-{round}" / f"{site}.log"
+    newest = checkpoint.newest(folder / "checkpoints")
+    checkpoint_name = newest.name if newest else None
+    summary_file = model / "training.json"
+    if summary_file.is_file():
+        summary = json.loads(summary_file.read_text())
+        row = _last_row(model / "loss.csv") or {}
+        return SiteStatus(
+            round, site, "done",
+            step=summary["steps"], total_steps=summary["steps"], checkpoint=checkpoint_name,
+            loss=summary["final_loss"],
+            tokens_per_s=float(row["tokens_per_s"]) if row else None,
+            elapsed_s=summary["wall_time_s"], eta_s=0.0,
+        )  # fmt: skip
+    status = SiteStatus(round, site, "waiting", checkpoint=checkpoint_name)
+    per_step = None
+    if newest is not None:
+        trainer = checkpoint.read_trainer_state(newest)
+        # Seconds per step so far, start-up and checkpoints included.
+        per_step = trainer["wall_time_s"] / trainer["step"] if trainer["step"] else None
+        row = _last_row(newest / checkpoint.LOSS_LOG)
+        status.state = "training"
+        status.step, status.total_steps = trainer["step"], trainer["total_steps"]
+        status.elapsed_s = trainer["wall_time_s"]
+        if row:
+            status.loss, status.tokens_per_s = float(row["loss"]), float(row["tokens_per_s"])
+    # The log is written every few steps, checkpoints more rarely: the log's line is the newer news.
+    logged = _last_log_step(log)
+    if logged and (status.step is None or logged[0] >= status.step):
+        status.state = "training"
+        status.step, status.total_steps, status.loss, status.tokens_per_s = logged
+    if per_step is not None:
+        status.eta_s = per_step * max(0, status.total_steps - status.step)
+    if _log_failed(log):
+        status.state = "failed"
+    return status
+
+
+def round_stages(layout: RunLayout, round: int) -> dict:
+    """Whether the round's aggregate exists and how many of its evaluations are written."""
+    run_dir, sites = layout.run_dir, layout.sites
+    evals = [
+        run_dir / f"round-{round}" / "eval" / m / f"{s}.json" for m in layout.evaluated(round) for s in sites
+    ]
+    return {
+        "round": round,
+        "aggregate": (run_dir / f"round-{round}" / "aggregate" / "model" / "aggregate.json").is_file(),
+        "evaluations": sum(p.is_file() for p in evals),
+        "evaluations_expected": len(evals),
+    }
+
+
+def collect(layout: RunLayout) -> dict:
+    return {
+        "run_dir": str(layout.run_dir),
+        "sites": [
+            asdict(site_status(layout.run_dir, r, s))
+            for r in range(1, layout.rounds + 1)
+            for s in layout.sites
+        ],
+        "rounds": [round_stages(layout, r) for r in range(1, layout.rounds + 1)],
+        "report": (layout.run_dir / "report" / layout.report_table).is_file(),
+    }
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}"
+
+
+def format_status(status: dict) -> str:
+    header = ("round", "site", "state", "step", "checkpoint", "loss", "tok/s", "elapsed", "left")
+    rows = [header]
+    for s in status["sites"]:
+        step = f"{s['step']}/{s['total_steps']}" if s["step"] is not None else "-"
+        rows.append((
+            str(s["round"]), s["site"], s["state"], step, s["checkpoint"] or "-",
+            f"{s['loss']:.4f}" if s["loss"] is not None else "-",
+            f"{s['tokens_per_s']:,.0f}" if s["tokens_per_s"] is not None else "-",
+            _duration(s["elapsed_s"]), _duration(s["eta_s"]),
+        ))  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = [f"run folder: {status['run_dir']}"]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    for r in status["rounds"]:
+        lines.append(
+            f"round {r['round']}: aggregate {'done' if r['aggregate'] else 'pending'}, "
+            f"evaluations {r['evaluations']}/{r['evaluations_expected']}"
+        )
+    lines.append(f"report: {'written' if status['report'] else 'pending'}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    from fedtune.core.config import ConfigError
+
+    parser = argparse.ArgumentParser(
+        prog="python -m fedtune.report.status", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--configfile", default=DEFAULT_CONFIG, help=f"the run's config (default {DEFAULT_CONFIG})"
+    )
+    parser.add_argument("--json", action="store_true", help="print the status as JSON")
+    args = parser.parse_args(argv)
+    try:
+        layout = layout_from_config(args.configfile)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if not layout.run_dir.is_dir():
+        print(
+            f"error: {layout.run_dir}: no run folder yet (nothing has run for {args.configfile})",
+            file=sys.stderr,
+        )
+        return 2
+    status = collect(layout)
+    print(json.dumps(status, indent=2) if args.json else format_status(status))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

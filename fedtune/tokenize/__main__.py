@@ -1,0 +1,3 @@
+from fedtune.tokenize.shards import main
+
+raise SystemExit(main())

@@ -1,0 +1,3 @@
+from fedtune.train.loop import main
+
+raise SystemExit(main())

@@ -1,0 +1,515 @@
+"""Fine-tune a model on one site's tokenized shards, with FSDP2 or DeepSpeed, resumably. The shards say the
+task: token blocks train a causal LM, labelled rows (task sequence-classification) a classifier.
+
+    scripts/launch --procs-per-node 2 -- python -m fedtune.train --site alpha \\
+        --init results/demo/model/base --manifest results/demo/data/alpha/manifest.json \\
+        --options '{"backend": "fsdp", "max_steps": 60}' --dtype float32 \\
+        --checkpoints results/demo/round-1/alpha/checkpoints --out results/demo/round-1/alpha/model
+
+Every process runs this file; scripts/launch (or torchrun, or srun) starts one per device and sets
+RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT. `--options` is the train
+section of the config (fedtune/schemas/train.schema.yaml), merged with the site's overrides: the JSON
+form of fedtune.core.config.TrainOptions. With its `adapter` set, a LoRA adapter (peft) trains on the frozen
+model and --out is a PEFT adapter folder (fedtune.core.adapters).
+
+Exit codes:
+    0   trained and exported to --out
+    2   a user error (options, data, launch variables); the message on stderr names what to fix
+    75  stopped by SIGUSR1 or SIGTERM after writing a checkpoint (EX_TEMPFAIL): run the same command
+        again and it resumes from that checkpoint. The train rule retries on it.
+
+`train` below reads top to bottom: set up (data, processes, model, backend), resume, then for each
+optimizer step the micro batches with gradient accumulation, the step, the log line and the periodic
+checkpoint; last the export."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fedtune.core import adapters, offline, tracking
+from fedtune.core.atomic import atomic_dir, write_json, write_text
+from fedtune.core.config import CAUSAL_LM, CLASSIFICATION, ConfigError, TrainOptions, UserError
+from fedtune.core.models import load_model, load_tokenizer, save_model
+from fedtune.tokenize.blocks import BlockOrder, Blocks, manifest_shards, trained_tokens
+from fedtune.tokenize.shards import verify_shard
+from fedtune.train import checkpoint, distributed, loading
+from fedtune.train.schedule import learning_rate
+
+EXIT_USER_ERROR = 2
+EXIT_RETRY = 75  # sysexits.h EX_TEMPFAIL: "temporary failure, the user is invited to retry"
+RETRY_MARKER_ENV = "FEDTUNE_RETRY_MARKER"
+TRAINING_SUMMARY = "training.json"
+LOSS_HEADER = tracking.LOSS_HEADER + "\n"
+
+
+def say(line: str) -> None:
+    """A progress line on stdout, written in one piece: the ranks share the job's log."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+class StopRequest:
+    """Remembers SIGUSR1 / SIGTERM (Slurm's warning before the time limit) until the end of the
+    current step, where all ranks agree to checkpoint and exit."""
+
+    def __init__(self):
+        self.signal: int | None = None
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.signal is None:
+            say(f"received {signal.Signals(signum).name}: checkpoint after this step, then exit")
+        self.signal = signum
+
+
+@dataclass
+class TrainingProgress:
+    """What a resumed run needs beyond the model and optimizer: saved in every checkpoint."""
+
+    step: int = 0
+    tokens_trained: int = 0
+    wall_time_s: float = 0.0
+    # One row per step; a list, since a string grown by += is copied whole on every step.
+    loss_rows: list[str] = field(default_factory=lambda: [LOSS_HEADER])
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "tokens_trained": self.tokens_trained, "wall_time_s": self.wall_time_s}
+
+    def load_state_dict(self, state: dict, loss_log: str) -> None:
+        self.step, self.tokens_trained = state["step"], state["tokens_trained"]
+        self.wall_time_s = state["wall_time_s"]
+        self.loss_rows = loss_log.splitlines(keepends=True)
+
+    @property
+    def loss_log(self) -> str:
+        return "".join(self.loss_rows)
+
+    @property
+    def last_loss(self) -> float:
+        return float(self.loss_rows[-1].split(",")[2]) if self.step else float("nan")
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """Where this job sits in the federation. Round r trains steps (r-1)S ... rS-1 of the site's data
+    order (S steps a round), so R rounds see the blocks one run of RS steps sees. The learning rate
+    follows one schedule over all R rounds (continue) or starts over each round (restart)."""
+
+    round: int = 1
+    rounds: int = 1
+    lr_schedule: str = "continue"
+
+    def first_step(self, steps: int) -> int:
+        return (self.round - 1) * steps
+
+    def learning_rate(self, step: int, steps: int, options: TrainOptions) -> float:
+        """The rate of this round's step `step` (0-based) of `steps`."""
+        if self.lr_schedule == "continue":
+            step, steps = self.first_step(steps) + step, self.rounds * steps
+        return learning_rate(
+            step, lr=options.lr, total_steps=steps, warmup_steps=options.warmup_steps,
+            schedule=options.schedule, min_lr_ratio=options.min_lr_ratio,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """The files of one train job (the CLI's paths and flags, apart from the options and the round)."""
+
+    site: str
+    init: Path
+    manifest: tuple[Path, ...]
+    checkpoints: Path
+    out: Path
+    dtype: str = "float32"
+    allow_pickle: bool = False
+    summary_only: bool = False
+    optimizer_in: Path | None = None
+    optimizer_out: Path | None = None
+    tracking: dict | None = None  # the config's tracking section, checked (None: not tracked)
+    run: str | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> TrainJob:
+        return cls(
+            site=args.site, init=args.init, manifest=tuple(args.manifest), checkpoints=args.checkpoints,
+            out=args.out, dtype=args.dtype, allow_pickle=args.allow_pickle, summary_only=args.summary_only,
+            optimizer_in=args.optimizer_in, optimizer_out=args.optimizer_out,
+            tracking=tracking.check_available(json.loads(args.tracking)) if args.tracking else None,
+            run=args.run_name,
+        )  # fmt: skip
+
+
+@dataclass
+class Setup:
+    """Everything the loop reads and nothing it changes."""
+
+    args: TrainJob
+    options: TrainOptions
+    plan: RoundPlan
+    blocks: Blocks
+    order: BlockOrder
+    total_steps: int  # this round's
+    task: str
+    job: object  # fedtune.train.distributed.Job
+    backend: object  # a fedtune.train.backends.Backend
+    identity: dict
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.options.global_batch * self.blocks.block_size
+
+    @property
+    def first_step(self) -> int:
+        """This round's first step in the site's data order."""
+        return self.plan.first_step(self.total_steps)
+
+
+def run_identity(options: TrainOptions, plan: RoundPlan, init: Path, blocks: Blocks, world_size: int) -> dict:
+    """What a checkpoint must share with this run to be resumed by it."""
+    return {
+        "round": plan.round,
+        "rounds": plan.rounds,
+        "lr_schedule": plan.lr_schedule,
+        "backend": options.backend,
+        "seed": options.seed,
+        "global_batch": options.global_batch,
+        "init": str(init.resolve()),
+        "num_blocks": len(blocks),
+        "block_size": blocks.block_size,
+        # DeepSpeed's checkpoints are per rank; FSDP's (torch.distributed.checkpoint) reshard on load.
+        "world_size": world_size if options.backend == "deepspeed" else None,
+        "adapter": options.adapter,
+    }
+
+
+def peak_memory_mb(device) -> float:
+    import resource
+
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def setup(args: TrainJob, options: TrainOptions, plan: RoundPlan) -> Setup:
+    import torch
+
+    # Data first: cheap to open (memory-mapped), so batch-size mistakes surface before the model loads.
+    shards = [shard for manifest in args.manifest for shard in manifest_shards(manifest)]
+    blocks = Blocks(shards)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    order = BlockOrder(len(blocks), options.global_batch, options.micro_batch, world_size, options.seed)
+    task = CLASSIFICATION if blocks.classification else CAUSAL_LM
+
+    job = distributed.start(options.device)
+    if options.adapter:
+        adapters.check_quantize(options.adapter, job.device)
+    if options.precision == "bf16" and job.device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError(
+            f"--options: precision: bf16, but {torch.cuda.get_device_name(job.device)} has none; use fp16 or fp32"
+        )
+    if job.local_rank == 0:
+        # Sizes and checksums recorded by tokenize: a corrupted shard is named, not trained on.
+        for shard in shards:
+            verify_shard(shard)
+    started_by = "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "direct start"
+    say(f"rank {job.rank}/{job.world_size} on host {job.hostname} ({job.device}, {started_by})")
+    torch.manual_seed(options.seed)
+    # Weights read once (fedtune.train.loading; per rank where a mode replicates them), then sharded.
+    backend = loading.load_backend(
+        args.init, options, job, order.accumulation, task=task, allow_pickle=args.allow_pickle
+    )
+    if args.optimizer_in:
+        backend.load_optimizer(args.optimizer_in)
+    return Setup(
+        args=args,
+        options=options,
+        plan=plan,
+        blocks=blocks,
+        order=order,
+        total_steps=options.total_steps(order.steps_per_epoch),
+        task=task,
+        job=job,
+        backend=backend,
+        identity=run_identity(options, plan, args.init, blocks, job.world_size),
+    )
+
+
+def resume(run: Setup, progress: TrainingProgress) -> None:
+    """Continue from the newest complete checkpoint, if there is one of this run."""
+
+    root = run.args.checkpoints
+    last = checkpoint.newest(root)
+    if last is None:
+        return
+    saved = checkpoint.read_trainer_state(last)["identity"]
+    if saved != run.identity:
+        changed = sorted(k for k in run.identity if saved.get(k) != run.identity[k])
+        raise checkpoint.CheckpointError(
+            f"{last}: written by a different run ({', '.join(changed)} changed); "
+            f"delete {root} to start over, or restore the settings"
+        )
+    trainer, loss_log = checkpoint.load(last, run.backend, run.job)
+    progress.load_state_dict(trainer, loss_log)
+    if run.job.is_main:
+        say(f"resumed from {last} at step {progress.step} ({trainer['position']})")
+
+
+def save_checkpoint(run: Setup, progress: TrainingProgress, started: float) -> None:
+
+    trainer = {
+        **progress.state_dict(),
+        "wall_time_s": progress.wall_time_s + time.time() - started,
+        "position": run.order.position(run.first_step + progress.step),
+        "total_steps": run.total_steps,
+        "world_size": run.job.world_size,
+        "identity": run.identity,
+    }
+    path = checkpoint.save(
+        run.args.checkpoints, progress.step, run.backend, trainer, progress.loss_log, run.job,
+        run.options.keep_checkpoints,
+    )  # fmt: skip
+    if run.job.is_main:
+        say(f"checkpoint {path}")
+
+
+def train_step(run: Setup, step: int, lr: float, stop: StopRequest) -> tuple[float, float, int, bool]:
+    """One optimizer step over the `global_batch` blocks at position `step` of the data order:
+    (loss, grad norm, target tokens, stop now)."""
+    import torch
+
+    blocks, order, job, backend = run.blocks, run.order, run.job, run.backend
+    # Each micro batch's loss counts by its share of the step's target tokens, so the step minimises
+    # the mean over all tokens of the global batch even when padding varies.
+    step_tokens = max(1, trained_tokens(blocks.get(order.global_indices(step))[1]))
+    micro_batches = order.micro_batches(step, job.rank)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=job.device)
+    for m, indices in enumerate(micro_batches):
+        input_ids, labels = blocks.get(indices)
+        n = trained_tokens(labels)
+        weight = n * order.accumulation * job.world_size / step_tokens
+        micro_loss = backend.forward_backward(
+            input_ids, labels, weight, last=m == len(micro_batches) - 1,
+            attention_mask=blocks.attention_mask(indices),
+        )  # fmt: skip
+        loss_sum += micro_loss.double() * n
+    grad_norm = backend.step(lr)
+    # One small all-reduce per step: the global loss, whether any rank was told to stop, and the
+    # gradient norm (rank 0's; every rank holds the same), so that the host waits for the device once.
+    stopping = torch.tensor(float(stop.signal is not None), device=job.device)
+    totals = torch.stack([loss_sum, stopping, rank0_value(grad_norm, job)])
+    torch.distributed.all_reduce(totals)
+    loss, stopped, norm = totals.tolist()
+    return loss / step_tokens, norm, step_tokens, stopped > 0
+
+
+def rank0_value(value, job):
+    """`value` (a float or a device scalar) as a float64 device scalar on rank 0, zero elsewhere: summed
+    over the ranks, rank 0's exactly, NaN and infinity included."""
+    import torch
+
+    if job.rank != 0:
+        return torch.zeros((), dtype=torch.float64, device=job.device)
+    return torch.as_tensor(value, device=job.device).to(torch.float64)
+
+
+def train(args: TrainJob, options: TrainOptions, plan: RoundPlan = RoundPlan()) -> int:
+    import warnings
+
+    # DeepSpeed calls these deprecated collectives on every step; one warning per call would bury the log.
+    warnings.filterwarnings(
+        "ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning
+    )
+    stop = StopRequest()
+    started = time.time()
+    run = setup(args, options, plan)
+    job, order, total, first = run.job, run.order, run.total_steps, run.first_step
+    if job.is_main:
+        say(
+            f"training {args.site}, round {plan.round} of {plan.rounds} from step {first} of its data: "
+            f"{len(run.blocks)} blocks of {run.blocks.block_size} tokens, "
+            f"{total} steps of {options.global_batch} blocks ({run.tokens_per_step} tokens) = "
+            f"{options.micro_batch} micro x {job.world_size} ranks x {order.accumulation} accumulation; "
+            f"backend {options.backend}, precision {options.precision}",
+        )
+    progress = TrainingProgress()
+    resume(run, progress)
+    tracker = tracking.Tracker()
+    if job.is_main and args.tracking:
+        tracker = tracking.start(
+            args.tracking, run=args.run or "fedtune", round=plan.round, site=args.site, job_type="train",
+            config=options.to_dict(), run_dir=None,
+        )  # fmt: skip
+
+    while progress.step < total:
+        t0 = time.perf_counter()
+        lr = plan.learning_rate(progress.step, total, options)
+        loss, grad_norm, step_tokens, stop_now = train_step(run, first + progress.step, lr, stop)
+        progress.step += 1
+        progress.tokens_trained += step_tokens
+        step, dt, peak = progress.step, time.perf_counter() - t0, peak_memory_mb(job.device)
+        tokens_per_s = run.tokens_per_step / dt
+        # The epoch (1-based) this step's blocks come from, for loss-per-epoch tables.
+        epoch = order.position(first + step - 1)["epoch"] + 1
+        progress.loss_rows.append(
+            f"{step},{epoch},{loss:.6f},{lr:.6e},{grad_norm:.6f},{tokens_per_s:.1f},{peak:.1f}\n"
+        )
+        if job.is_main:
+            # The federation's step, so that the rounds' curves continue one another.
+            tracker.log(first + step, tracking.loss_row_metrics(progress.loss_rows[-1], LOSS_HEADER)[1])
+        if job.is_main and (step % options.log_every == 0 or step == total or step == 1):
+            say(
+                f"step {step}/{total} | loss {loss:.4f} | lr {lr:.2e} | grad_norm {grad_norm:.3f} | "
+                f"{tokens_per_s:,.0f} tok/s | peak {peak:,.0f} MB | epoch {(first + step) / order.steps_per_epoch:.2f}"
+            )
+        every = options.checkpoint_every
+        # The last step is saved too: an export that fails can be redone without training again.
+        if stop_now or (every and step % every == 0) or step == total:
+            save_checkpoint(run, progress, started)
+        if stop_now:
+            checkpoint.wait()  # the signal's checkpoint is written in the background: finish it
+            tracker.close()
+            distributed.stop()
+            return EXIT_RETRY
+
+    record = export(run, progress, started)
+    if record is not None:
+        tracker.log_summary(record)
+    tracker.close()
+    if args.optimizer_out:
+        # Collective: the site's optimizer state for its next round (federation.site_optimizer keep).
+        run.backend.save_optimizer(args.optimizer_out)
+    distributed.barrier()
+    if options.remove_checkpoints and job.is_main:
+        checkpoint.remove_all(args.checkpoints)
+    distributed.stop()
+    return 0
+
+
+def summary(run: Setup, progress: TrainingProgress, started: float) -> dict:
+    args, options, job, order = run.args, run.options, run.job, run.order
+    return {
+        "site": args.site,
+        "task": run.task,
+        "round": run.plan.round,
+        "rounds": run.plan.rounds,
+        "lr_schedule": run.plan.lr_schedule,
+        "first_step": run.first_step,
+        "steps": progress.step,
+        "epochs": progress.step / order.steps_per_epoch,
+        "steps_per_epoch": order.steps_per_epoch,
+        "tokens_seen": progress.step * run.tokens_per_step,
+        "tokens_trained": progress.tokens_trained,
+        "final_loss": progress.last_loss,
+        "wall_time_s": round(progress.wall_time_s + time.time() - started, 3),
+        "world_size": job.world_size,
+        "nodes": job.nodes,
+        "processes_per_node": job.local_world_size,
+        "device": job.device.type,
+        "backend": options.backend,
+        "sharding": options.sharding_label,
+        "precision": options.precision,
+        "dtype": args.dtype,
+        "global_batch": options.global_batch,
+        "micro_batch": options.micro_batch,
+        "gradient_accumulation": order.accumulation,
+        "block_size": run.blocks.block_size,
+        "blocks": len(run.blocks),
+        "init": str(args.init),
+        "manifests": [str(m) for m in args.manifest],
+        "optimizer_state": "kept" if args.optimizer_in else "new",
+        "options": options.to_dict(),
+    }
+
+
+def export(run: Setup, progress: TrainingProgress, started: float) -> dict | None:
+    """A Hugging Face model folder in --dtype, plus training.json and loss.csv (a sweep's summary-only
+    run: no weights). Collective: every rank gathers the weights, rank 0 writes."""
+
+    args = run.args
+    state = None if args.summary_only else run.backend.full_state_dict()
+    if not run.job.is_main:
+        return None
+    record = summary(run, progress, started)
+    with atomic_dir(args.out) as tmp:
+        tmp.chmod(0o755)
+        if run.options.adapter and not args.summary_only:
+            # The PEFT folder: the trainable tensors only; the base is the round's start model.
+            adapters.write_adapter(run.backend.module, state, tmp, args.dtype)
+        elif not args.summary_only:
+            # Rank 0 verified these weights when training started.
+            model = load_model(
+                args.init, task=run.task, dtype=args.dtype, allow_pickle=args.allow_pickle, verify=False
+            )
+            model.load_state_dict(state)
+            save_model(model, load_tokenizer(args.init), tmp, max_shard_size=run.options.max_shard_size)
+        write_json(tmp / TRAINING_SUMMARY, record)
+        write_text(tmp / "loss.csv", progress.loss_log)
+    say(f"exported {args.out}: {json.dumps({k: record[k] for k in ('steps', 'final_loss')})}")
+    return record
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m fedtune.train", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--site", required=True, help="site name, recorded in training.json")
+    parser.add_argument("--init", required=True, type=Path, help="model folder to start from (HF format)")
+    parser.add_argument(
+        "--manifest", required=True, type=Path, nargs="+",
+        help="the site's tokenize manifest.json (several: their blocks train as one data set, the pooled baseline)",
+    )  # fmt: skip
+    parser.add_argument("--options", required=True, help="train options as JSON (train.schema.yaml)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--checkpoints", required=True, type=Path, help="folder of resumable checkpoints")
+    parser.add_argument("--out", required=True, type=Path, help="exported model folder")
+    parser.add_argument("--allow-pickle", action="store_true", help="accept .bin weights in --init")
+    parser.add_argument("--round", type=int, default=1, help="federation round of this job (1-based)")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds of the federation")
+    parser.add_argument(
+        "--lr-schedule", choices=["continue", "restart"], default="continue",
+        help="one learning-rate schedule over all rounds (continue) or one per round (restart)",
+    )  # fmt: skip
+    parser.add_argument("--optimizer-in", type=Path, help="optimizer state of the site's previous round")
+    parser.add_argument("--optimizer-out", type=Path, help="where to save the optimizer state at the end")
+    parser.add_argument("--tracking", help="the config's tracking section as JSON (fedtune.core.tracking)")
+    # Not --run: torchrun would take it for its own --run-path.
+    parser.add_argument("--run-name", help="the run's name, for the tracked run's name")
+    parser.add_argument(
+        "--summary-only",
+        action="store_true",
+        help="write training.json and loss.csv to --out but no weights (scaling sweeps)",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    offline.enforce()
+    args = parse_args(argv)
+    try:
+        if not 1 <= args.round <= args.rounds:
+            raise ConfigError(f"--round: {args.round} is not in 1..{args.rounds} (--rounds)")
+        plan = RoundPlan(args.round, args.rounds, args.lr_schedule)
+        options = TrainOptions.from_json(args.options, source="--options")
+        code = train(TrainJob.from_args(args), options, plan)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    if code == EXIT_RETRY:
+        marker = os.environ.get(RETRY_MARKER_ENV)
+        if marker:
+            # torchrun reports any failed worker as exit 1; the launcher reads this file to restore 75.
+            Path(marker).touch()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
