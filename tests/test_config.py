@@ -14,12 +14,36 @@ from fedtune.core.config import ConfigError, check_config, load_config, site_tra
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# The demo as the tests know it, on generated text (sites alpha and beta); config/config.yaml runs the
+# same settings on real text.
+DEMO = ROOT / "tests" / "support" / "demo-generated.yaml"
+
+
 def demo() -> dict:
-    return yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+    return yaml.safe_load(DEMO.read_text())
+
+
+def test_the_demo_runs_on_real_text_with_the_tested_settings():
+    """`make demo` (config/config.yaml) differs from the tests' demo only in its sites: real text, one
+    language per site, shipped in data/real with its licence."""
+    real = load_config(ROOT / "config" / "config.yaml", base_dir=ROOT)
+    tested = load_config(DEMO, base_dir=ROOT)
+    assert {k: v for k, v in real.items() if k != "sites"} == {
+        k: v for k, v in tested.items() if k != "sites"
+    }
+    assert list(real["sites"]) == ["it", "cs"]
+    for name, site in real["sites"].items():
+        files = site["dataset"]["data_files"]
+        assert files == {
+            split: f"data/real/libreoffice-help-{name}/{split}.jsonl" for split in ("train", "test")
+        }
+    readme = (ROOT / "data" / "real" / "README.md").read_text()
+    assert "MPL-2.0" in readme and "scripts/real-text" in readme
+    assert (ROOT / "data" / "real" / "LICENSE.MPL-2.0").read_text().startswith("Mozilla Public License")
 
 
 def test_demo_config_is_valid_and_defaults_are_filled():
-    config = load_config(ROOT / "config" / "config.yaml", base_dir=ROOT)
+    config = load_config(DEMO, base_dir=ROOT)
     assert config["results"] == "results"
     assert config["tokenize"]["add_bos"] is True
     assert config["sites"]["alpha"]["dataset"]["max_documents"] is None

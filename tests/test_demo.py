@@ -1,6 +1,8 @@
-"""The demo end to end with the local profile, as `make demo` runs it: download, tokenize, six rounds of
-training both sites and merging them (FedAdam), the pooled baseline, evaluate, report; then a rerun that
-has nothing to do and the HTML report. The demo's point: federation gets close to pooling the data."""
+"""The demo end to end with the local profile, as `make demo` runs it but on the demo's generated text
+(tests/support/demo-generated.yaml, whose figures are exact; `make demo` runs the same settings on real
+text, data/real): download, tokenize, six rounds of training both sites and merging them (FedAdam), the
+pooled baseline, evaluate, report; then a rerun that has nothing to do and the HTML report. The demo's
+point: federation gets close to pooling the data."""
 
 from __future__ import annotations
 

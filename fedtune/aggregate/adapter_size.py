@@ -287,6 +287,10 @@ def known_model_config(run, base_dir) -> tuple[dict | None, str]:
         config = dict(model["architecture"])
         config.setdefault("vocab_size", model.get("tokenizer", {}).get("vocab_size", 0))
         return config, "model.architecture"
+    if model["source"] == "gguf":
+        from fedtune.download.gguf import model_config
+
+        return model_config(model["path"]), model["path"]
     if model["source"] == "local":
         path = Path(model["path"]) / "config.json"
         return (json.loads(path.read_text()), str(path)) if path.is_file() else (None, str(path))

@@ -961,6 +961,8 @@ def build_run_config(config: dict, *, source: str = "config", base_dir: Path | N
         path = base_dir / model["path"]
         if not (path / "config.json").is_file():
             raise ConfigError(f"{source}: model.path: {path} holds no config.json (a save_pretrained folder)")
+    if model["source"] == "gguf" and not (base_dir / model["path"]).is_file():
+        raise ConfigError(f"{source}: model.path: GGUF file not found: {base_dir / model['path']}")
     tokenize = TokenizeOptions.from_mapping(
         {**config["tokenize"], "task": config["task"]}, source=source, prefix="tokenize"
     )

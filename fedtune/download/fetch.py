@@ -186,6 +186,12 @@ def download_model(
             record.update(
                 architecture=spec["architecture"], tokenizer=tok_spec, documents=len(texts), seed=spec["seed"]
             )
+        elif source == "gguf":
+            if classify:
+                raise ConfigError(f"--spec: model.source: gguf: task {CLASSIFICATION} is not supported")
+            from fedtune.download import gguf
+
+            record.update(gguf.convert(spec["path"], tmp, dtype=spec["dtype"]))
         elif source == "local" and not classify:
             path = Path(spec["path"])
             models.check_model_dir(path, allow_pickle=spec["allow_pickle"])

@@ -39,6 +39,10 @@ rule download_model:
             if RUN.model["source"] == "init"
             else []
         ),
+        # A GGUF file is converted here: a newer file makes a new base model.
+        gguf=lambda wc: (
+            [config["model"]["path"]] if config["model"]["source"] == "gguf" else []
+        ),
     output:
         directory(base_model_dir()),
     log:
