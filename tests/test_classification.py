@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fedtune.core.models import CLASSIFICATION, ModelError, load_model, load_tokenizer, model_task
-from fedtune.download.fetch import DataError, download_data, download_model
+from fedtune.download.fetch import DownloadError, download_data, download_model
 from fedtune.evaluate.scores import EvaluateError, classification_metrics, evaluate
 from fedtune.tokenize.shards import TokenizeError, encode_examples, tokenize_shard, verify_shard
 from tests.conftest import TINY_ARCHITECTURE, corpus
@@ -73,7 +73,7 @@ def labelled(tmp_path: Path, rows_train: list[dict], rows_test: list[dict] | Non
     ],
 )
 def test_download_refuses_bad_labels_naming_row_and_value(tmp_path, rows, message):
-    with pytest.raises(DataError, match=message):
+    with pytest.raises(DownloadError, match=message):
         download_data(labelled(tmp_path, rows), tmp_path / "raw", num_labels=NUM_LABELS)
     assert not (tmp_path / "raw").exists()
 

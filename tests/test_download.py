@@ -11,7 +11,7 @@ from datasets import load_from_disk
 
 from fedtune.core.config import ConfigError, UserError
 from fedtune.core.models import ModelError, load_causal_lm, load_tokenizer
-from fedtune.download.fetch import DataError, download_data, download_model
+from fedtune.download.fetch import DownloadError, download_data, download_model
 
 
 def write_jsonl(path, texts, field="text"):
@@ -67,14 +67,14 @@ def test_hf_source_loads_a_dataset_folder_by_name(files, tmp_path):
 
 def test_hf_source_with_a_missing_split_names_it(files, tmp_path):
     spec = {"source": "hf", "name": str(files[0].parent), "splits": {"train": "train", "test": "validation"}}
-    with pytest.raises(DataError, match="'validation'.*has \\['test', 'train'\\]"):
+    with pytest.raises(DownloadError, match="'validation'.*has \\['test', 'train'\\]"):
         download_data(spec, tmp_path / "raw")
     assert not (tmp_path / "raw").exists()
 
 
 def test_missing_text_field_names_the_column(files, tmp_path):
     spec = {"source": "local", "data_files": {"train": str(files[0])}, "text_field": "content"}
-    with pytest.raises(DataError, match="'content' is not a column.*\\['text', 'label'\\]"):
+    with pytest.raises(DownloadError, match="'content' is not a column.*\\['text', 'label'\\]"):
         download_data(spec, tmp_path / "raw")
 
 
@@ -85,13 +85,13 @@ def test_empty_dataset_is_refused(tmp_path):
     other.write_text("one line\n")
     spec = {"source": "local", "data_files": {"train": str(other), "test": str(empty)}}
     with pytest.raises(
-        DataError, match="data_files.test: .*empty.txt is empty: the test split holds no documents"
+        DownloadError, match="data_files.test: .*empty.txt is empty: the test split holds no documents"
     ):
         download_data(spec, tmp_path / "raw")
 
 
 def test_missing_file_and_bad_spec_are_named(tmp_path):
-    with pytest.raises(DataError, match="data_files.train: file not found: .*nope.jsonl"):
+    with pytest.raises(DownloadError, match="data_files.train: file not found: .*nope.jsonl"):
         download_data(
             {"source": "local", "data_files": {"train": str(tmp_path / "nope.jsonl")}}, tmp_path / "r"
         )
@@ -102,7 +102,7 @@ def test_missing_file_and_bad_spec_are_named(tmp_path):
 def test_download_failure_keeps_the_previous_output(files, tmp_path):
     out = tmp_path / "raw"
     download_data({"source": "local", "data_files": {"train": str(files[0])}}, out)
-    with pytest.raises(DataError):
+    with pytest.raises(DownloadError):
         download_data({"source": "local", "data_files": {"train": str(files[0])}, "text_field": "x"}, out)
     assert len(load_from_disk(str(out))["train"]) + len(load_from_disk(str(out))["test"]) == 30
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".raw")] == []

@@ -39,7 +39,7 @@ SPLITS = ("train", "test")
 FORMATS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet", ".csv": "csv"}
 
 
-class DataError(UserError):
+class DownloadError(UserError):
     """A dataset that cannot be used: the message names the dataset, split or column."""
 
 
@@ -69,9 +69,9 @@ def load_splits(spec: dict, num_labels: int | None = None):
         for split, files in spec["data_files"].items():
             for file in _files(files):
                 if not Path(file).is_file():
-                    raise DataError(f"dataset.data_files.{split}: file not found: {file}")
+                    raise DownloadError(f"dataset.data_files.{split}: file not found: {file}")
                 if Path(file).stat().st_size == 0:
-                    raise DataError(
+                    raise DownloadError(
                         f"dataset.data_files.{split}: {file} is empty: the {split} split holds no documents"
                     )
         loaded = load_dataset(_format(spec), data_files=spec["data_files"])
@@ -86,7 +86,7 @@ def load_splits(spec: dict, num_labels: int | None = None):
         label = spec["name"]
         for split in (names["train"], names["test"]):
             if split is not None and split not in loaded:
-                raise DataError(
+                raise DownloadError(
                     f"{label}: dataset.splits names split {split!r}, but the dataset has {sorted(loaded)}"
                 )
     train = loaded[names["train"]]
@@ -97,28 +97,28 @@ def load_splits(spec: dict, num_labels: int | None = None):
         splits = {"train": train, "test": loaded[names["test"]]}
     for split, data in splits.items():
         if spec["text_field"] not in data.column_names:
-            raise DataError(
+            raise DownloadError(
                 f"{label}: dataset.text_field {spec['text_field']!r} is not a column of the {split} split; "
                 f"columns: {data.column_names}"
             )
         if spec["max_documents"] is not None and len(data) > spec["max_documents"]:
             splits[split] = data.select(range(spec["max_documents"]))
         if len(splits[split]) == 0:
-            raise DataError(f"{label}: the {split} split holds no documents")
+            raise DownloadError(f"{label}: the {split} split holds no documents")
         if num_labels is not None:
             check_labels(splits[split], spec["label_field"], num_labels, f"{label} ({split} split)")
     return DatasetDict(splits)
 
 
 def check_labels(data, field: str, num_labels: int, where: str) -> None:
-    """Every value of the label column is a class number in 0..num_labels-1; else DataError naming it."""
+    """Every value of the label column is a class number in 0..num_labels-1; else DownloadError naming it."""
     if field not in data.column_names:
-        raise DataError(
+        raise DownloadError(
             f"{where}: dataset.label_field {field!r} is not a column; columns: {data.column_names}"
         )
     problem = label_problem(data.with_format("numpy")[field], num_labels)
     if problem:
-        raise DataError(f"{where}: dataset.label_field {field!r}: {problem}")
+        raise DownloadError(f"{where}: dataset.label_field {field!r}: {problem}")
 
 
 def download_data(spec: dict, out: str | Path, num_labels: int | None = None) -> dict:
@@ -288,7 +288,7 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as error:
         # The hub and the data set libraries say what they could not find or reach: a name, a revision,
         # a file or the network, each for the user to fix.
-        raise DataError(str(error)) from error
+        raise DownloadError(str(error)) from error
     return 0
 
 

@@ -41,7 +41,7 @@ rule download_model:
         ),
         # A GGUF file is converted here: a newer file makes a new base model.
         gguf=lambda wc: (
-            [config["model"]["path"]] if config["model"]["source"] == "gguf" else []
+            [RUN.model["path"]] if RUN.model["source"] == "gguf" else []
         ),
     output:
         directory(base_model_dir()),
