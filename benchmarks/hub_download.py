@@ -44,14 +44,16 @@ def build(folder: Path, layers: int = 12, vocab: int = 32000) -> None:
     save_model(LlamaForCausalLM(config), tokenizer, folder)
 
 
-def hub_cache(root: Path, model_dir: Path, name: str = REPO) -> Path:
-    repo = root / f"models--{name.replace('/', '--')}"
-    snapshot = repo / "snapshots" / REVISION
+def hub_cache(root: Path, model_dir: Path, repo: str = REPO, revision: str = REVISION) -> Path:
+    """A Hugging Face hub cache holding model_dir's files as `repo` at commit `revision` (with refs/main
+    pointing there): the layout huggingface_hub reads offline (tests/test_download.py uses it too)."""
+    repo_dir = root / f"models--{repo.replace('/', '--')}"
+    snapshot = repo_dir / "snapshots" / revision
     snapshot.mkdir(parents=True)
     for path in model_dir.iterdir():
         shutil.copy(path, snapshot / path.name)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(REVISION)
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text(revision)
     return root
 
 

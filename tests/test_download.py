@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +12,9 @@ from datasets import load_from_disk
 from fedtune.core.config import ConfigError, UserError
 from fedtune.core.models import ModelError, load_causal_lm, load_tokenizer
 from fedtune.download.fetch import DownloadError, download_data, download_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from hub_download import hub_cache  # noqa: E402
 
 
 def write_jsonl(path, texts, field="text"):
@@ -135,19 +138,6 @@ def test_local_model_is_validated_and_copied(tiny_model_dir, tmp_path):
     download_model({"source": "local", "path": str(tiny_model_dir)}, out)
     assert (out / "model.safetensors").read_bytes() == (tiny_model_dir / "model.safetensors").read_bytes()
     assert load_causal_lm(out).config.num_hidden_layers == 2
-
-
-def hub_cache(root: Path, model_dir: Path, repo: str, revision: str) -> Path:
-    """A Hugging Face hub cache holding model_dir's files as `repo` at commit `revision` (with refs/main
-    pointing there): the layout huggingface_hub reads offline."""
-    repo_dir = root / f"models--{repo.replace('/', '--')}"
-    snapshot = repo_dir / "snapshots" / revision
-    snapshot.mkdir(parents=True)
-    for path in model_dir.iterdir():
-        shutil.copy(path, snapshot / path.name)
-    (repo_dir / "refs").mkdir()
-    (repo_dir / "refs" / "main").write_text(revision)
-    return root
 
 
 @pytest.fixture
