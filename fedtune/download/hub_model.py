@@ -87,10 +87,14 @@ def check_files(folder: Path, label: str) -> dict:
         config = json.loads(config_path.read_text())
     except (OSError, ValueError) as error:
         raise HubModelError(f"{label}: config.json unreadable: {error}") from error
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL_LMS
+
+    # What AutoModelForCausalLM would load (GPT-2's class is GPT2LMHeadModel, not …ForCausalLM).
     architectures = config.get("architectures") or []
-    if not any(a.endswith("ForCausalLM") for a in architectures):
+    if config.get("model_type") not in CAUSAL_LMS and not set(architectures) & set(CAUSAL_LMS.values()):
         raise HubModelError(
-            f"{label}: config.json names architectures {architectures}, no causal LM (…ForCausalLM)"
+            f"{label}: config.json (model_type {config.get('model_type')!r}, architectures {architectures}) "
+            "is no causal language model that transformers' AutoModelForCausalLM loads"
         )
     try:
         weights = read_weights("base", folder, label=label)
