@@ -346,6 +346,7 @@ deadline = time.monotonic() + 120
 while not signalled and time.monotonic() < deadline:
     time.sleep(0.1)
 print(f"{name}: rank {rank} received SIGUSR1: checkpoint, exit 75", flush=True)
+signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # as fedtune.train: a repeat must not kill the exit
 if rank == 0:
     state.write_text(str(done + 1))
 pathlib.Path(os.environ["FEDTUNE_RETRY_MARKER"]).touch()

@@ -377,6 +377,10 @@ def train(args: TrainJob, options: TrainOptions, plan: RoundPlan = RoundPlan()) 
         if stop_now or (every and step % every == 0) or step == total:
             save_checkpoint(run, progress, started)
         if stop_now:
+            # The launcher repeats SIGUSR1 until the processes exit; Python's shutdown puts back the
+            # default action (death by SIGUSR1, not exit 75) for signals it handled, so a repeat in that
+            # window would lose the time-limit stop: the stop is decided, ignore any further warning.
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
             checkpoint.wait()  # the signal's checkpoint is written in the background: finish it
             tracker.close()
             distributed.stop()
