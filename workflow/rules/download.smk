@@ -40,9 +40,7 @@ rule download_model:
             else []
         ),
         # A GGUF file is converted here: a newer file makes a new base model.
-        gguf=lambda wc: (
-            [RUN.model["path"]] if RUN.model["source"] == "gguf" else []
-        ),
+        gguf=lambda wc: ([RUN.model["path"]] if RUN.model["source"] == "gguf" else []),
     output:
         directory(base_model_dir()),
     log:
