@@ -11,8 +11,9 @@ import functools
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
-from fedtune.core.config import UserError, parse_json
+from fedtune.core.config import UserError
 from fedtune.core.secrets import redact
 
 EXIT_USER_ERROR = 2
@@ -102,15 +103,10 @@ def entry(module: str, *, offline: bool = False) -> Callable:
     return wrap
 
 
-def json_option(text: str, option: str):
-    """A JSON-valued option, or a UserError naming it."""
-    return parse_json(text, option)
-
-
 def json_file(path, option: str):
     """A JSON file named by an option, or a UserError naming the option and the file."""
     try:
-        text = open(path, encoding="utf-8").read()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as error:
         raise UserError(f"{option}: {path}: {error.strerror or error}") from None
     try:

@@ -3,9 +3,12 @@ source of truth for keys, types and defaults; this module validates a config aga
 rule a schema cannot express (cross-key checks, a template that must format, files that must exist, a
 block that must fit the model, sweep points), and hands the stages typed, frozen objects:
 
-    RunConfig     the whole validated config: run folder, task, model, sites, federation, sweep
-    Site          one site: its dataset, template, cluster and its TrainOptions (overrides merged)
-    TrainOptions  the train section (train.schema.yaml) after every cross-key rule
+    RunConfig        the whole validated config: run folder, task, model, sites, federation, sweep
+    Site             one site: its dataset, template, cluster, TrainOptions (overrides merged) and
+                     TokenizeOptions (the tokenize section with its template and columns)
+    TrainOptions     the train section (train.schema.yaml) after every cross-key rule, with
+                     AdapterOptions for train.adapter
+    AggregateOptions the aggregate section with ServerOptimizerOptions and the merged model's dtype
     EvaluateOptions, SweepPoint, DownstreamTask (an entry of evaluate.tasks: a task YAML or a registry name)
 
 Each options object has one JSON form (`to_json()` / `from_json()`), the rule -> CLI boundary: a rule

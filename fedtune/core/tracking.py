@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from fedtune.core import cli
-from fedtune.core.config import UserError
+from fedtune.core.config import UserError, parse_json
 
 BACKENDS = ("none", "tensorboard", "wandb")
 DEFAULTS = {
@@ -356,7 +356,7 @@ def main(argv=None) -> int:
     parser.add_argument("--round", type=int, help="training, aggregate: the round")
     parser.add_argument("--site", help="training: the site")
     args = parser.parse_args(argv)
-    options = check_available(cli.json_option(args.tracking, "--tracking"))
+    options = check_available(parse_json(args.tracking, "--tracking"))
     if args.what == "evaluation":
         log_evaluation(options, cli.json_file(args.path, "--path"), run=args.run_name)
     elif args.round is None or (args.what == "training" and args.site is None):

@@ -31,6 +31,7 @@ from fedtune.core.config import (
     ConfigError,
     UserError,
     label_problem,
+    parse_json,
     torch_dtype,
     validate_section,
 )
@@ -272,7 +273,7 @@ def main(argv=None) -> int:
     try:
         if args.what == "data":
             with progress.Heartbeat(f"download data to {args.out}"):
-                download_data(cli.json_option(args.spec, "--spec"), args.out, args.num_labels)
+                download_data(parse_json(args.spec, "--spec"), args.out, args.num_labels)
         elif args.what == "tasks":
             from fedtune.evaluate.downstream import prepare
 
@@ -280,9 +281,9 @@ def main(argv=None) -> int:
                 record = prepare(args.tasks, args.out)
             print(f"saved {', '.join(t['name'] for t in record['tasks'])} to {args.out}")
         else:
-            spec = cli.json_option(args.spec, "--spec")
+            spec = parse_json(args.spec, "--spec")
             with progress.Heartbeat(f"download model to {args.out}", measure=_download_measure(spec)):
-                download_model(spec, args.out, cli.json_option(args.corpora, "--corpora"), args.task)
+                download_model(spec, args.out, parse_json(args.corpora, "--corpora"), args.task)
     except UserError:
         raise
     except (ValueError, OSError) as error:
