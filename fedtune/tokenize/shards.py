@@ -1,7 +1,7 @@
 """tokenize: a site's raw text -> fixed-size blocks of token ids, one shard per job.
 
-    python -m fedtune.tokenize shard --raw DIR --split train --shard K --num-shards N --tokenizer DIR \\
-        --template '...{text}...' --text-field text --block-size 128 --mode packing --out DIR
+    python -m fedtune.tokenize shard --raw DIR --split train --shard K --tokenizer DIR --site NAME \\
+        --options '{"shards": N, "block_size": 128, "mode": "packing", "template": "...{text}...", ...}' --out DIR
     python -m fedtune.tokenize manifest --out manifest.json SHARD_DIR...
 
 A shard holds the documents `Dataset.shard(N, K, contiguous=True)` gives it, so every document lands in
@@ -10,9 +10,11 @@ cuts full blocks (the shard's remainder is dropped and counted), `padding` puts 
 truncated or right-padded, with labels -100 on padding. The fast tokenizer's Rust `encode_batch_fast`
 does the work on all the job's threads; no Python loop touches a token.
 
-With --task sequence-classification a shard holds one row per document: the templated text with the
-tokenizer's own special tokens ([CLS] text [SEP] for BERT, as Hugging Face's run_glue does), truncated
-and right-padded to --block-size, its length, and its class from --label-field as the label."""
+--options is the site's TokenizeOptions (fedtune.core.config): the tokenize section with the site's
+template, text and label columns and the task. With task sequence-classification a shard holds one row
+per document: the templated text with the tokenizer's own special tokens ([CLS] text [SEP] for BERT, as
+Hugging Face's run_glue does), truncated and right-padded to block_size, its length, and its class from
+label_field as the label."""
 
 from __future__ import annotations
 
@@ -36,7 +38,6 @@ from fedtune.core.config import (
 )
 
 COUNTS = "counts.json"
-MODES = ("packing", "padding")
 LABEL_IGNORE = -100
 SUM_KEYS = ("documents", "bytes", "tokens", "tokens_kept", "tokens_dropped", "blocks")
 
