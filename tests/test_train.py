@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import yaml
 
+from fedtune.core.cli import EXIT_USER_ERROR
 from fedtune.core.config import ConfigError, TrainOptions
 from fedtune.tokenize.blocks import BlockOrder, Blocks, DataError, manifest_shards
-from fedtune.train.loop import EXIT_USER_ERROR
 from fedtune.train.schedule import learning_rate
 from tests.train_runs import BLOCK_SIZE, LAUNCH, PYTHON, ROOT, env
 from tests.workflow_harness import demo_config, dry_run, write_config

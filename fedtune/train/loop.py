@@ -16,7 +16,8 @@ Exit codes:
     0   trained and exported to --out
     2   a user error (options, data, launch variables); the message on stderr names what to fix
     75  stopped by SIGUSR1 or SIGTERM after writing a checkpoint (EX_TEMPFAIL): run the same command
-        again and it resumes from that checkpoint. The train rule retries on it.
+        again and it resumes from that checkpoint. scripts/launch requeues the Slurm job on it (or,
+        where Slurm refuses the requeue, the rule retries).
 
 `train` below reads top to bottom: set up (data, processes, model, backend), resume, then for each
 optimizer step the micro batches with gradient accumulation, the step, the log line and the periodic
@@ -42,7 +43,6 @@ from fedtune.tokenize.shards import verify_shard
 from fedtune.train import checkpoint, distributed, loading
 from fedtune.train.schedule import learning_rate
 
-EXIT_USER_ERROR = 2
 EXIT_RETRY = 75  # sysexits.h EX_TEMPFAIL: "temporary failure, the user is invited to retry"
 RETRY_MARKER_ENV = "FEDTUNE_RETRY_MARKER"
 TRAINING_SUMMARY = "training.json"
