@@ -40,7 +40,6 @@ import argparse
 import copy
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -64,11 +63,11 @@ from fedtune.train.backends import ADAM_EPS  # noqa: E402
 from fedtune.train.loop import RoundPlan  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-TEST_DOCUMENTS = {"scratch": 40, "finetune": 12, "lora": 12}
+TEST_DOCUMENTS = {"scratch": 40, "finetune": 8, "lora": 8}
 GGUF = ROOT / ".cache" / "models" / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def regime_config(regime: str, set_name: str) -> dict:
+def regime_config(regime: str, set_name: str, rounds: int | None = None, steps: int | None = None) -> dict:
     """The regime's fedtune config with the set's sites (their data files are set later, in memory)."""
     example = {"scratch": "config/config.yaml", "finetune": "config/examples/smollm2-it-cs.yaml",
                "lora": "config/examples/smollm2-it-cs-lora.yaml"}[regime]  # fmt: skip
@@ -83,6 +82,10 @@ def regime_config(regime: str, set_name: str) -> dict:
         config["train"].update(max_steps=3, warmup_steps=1, micro_batch=4, global_batch=4)
         config["federation"]["rounds"] = 4
         config["evaluate"].update(max_length=64, stride=64)
+    if rounds:
+        config["federation"]["rounds"] = rounds
+    if steps:
+        config["train"]["max_steps"] = steps
     return config
 
 
@@ -97,8 +100,8 @@ def strategy_config(base: dict, strategy: str, candidate: dict | None, sites: in
     elif strategy in ("knob-half", "knob-double"):
         factor = 0.5 if strategy == "knob-half" else 2.0
         config["aggregate"] = {"server_optimizer": {**defaults, "lr": defaults["lr"] * factor}}
-    elif strategy == "candidate":
-        config["aggregate"] = {"server_optimizer": candidate}
+    elif strategy == "candidate":  # a config overlay: aggregate, federation or train keys
+        config = fconfig.deep_merge(config, candidate)
     else:
         raise SystemExit(f"error: unknown strategy {strategy!r}")
     return config
@@ -107,12 +110,12 @@ def strategy_config(base: dict, strategy: str, candidate: dict | None, sites: in
 class Bench:
     """One set in one regime: its text, tokens, base model and pooled model, shared by its strategies."""
 
-    def __init__(self, regime: str, set_name: str, text_dir: Path, cache: Path):
+    def __init__(self, regime: str, set_name: str, text_dir: Path, cache: Path, rounds=None, steps=None):
         self.regime, self.set_name, self.cache = regime, set_name, cache
         self.half = sets.half_of(set_name)
         self.specs = {site.key: site for site in sets.HALVES[self.half][set_name]}
         self.text_dir = text_dir
-        self.base_config = regime_config(regime, set_name)
+        self.base_config = regime_config(regime, set_name, rounds, steps)
         self.run = fconfig.build_run_config(self._with_files(self.base_config), base_dir=ROOT)
         self.sites = list(self.run.sites)
         self.texts = {
@@ -136,7 +139,9 @@ class Bench:
         config = copy.deepcopy(config)
         for key, site in config["sites"].items():  # the text itself comes from federation_sets
             folder = self.text_dir / f"{self.specs[key].source}-{self.specs[key].language}"
-            site["dataset"]["data_files"] = {split: str(folder / f"{split}.jsonl") for split in ("train", "test")}
+            site["dataset"]["data_files"] = {
+                split: str(folder / f"{split}.jsonl") for split in ("train", "test")
+            }
         if config["model"]["source"] == "gguf":
             config["model"]["path"] = str(GGUF)
         return config
@@ -158,9 +163,18 @@ class Bench:
         return models.load_causal_lm(folder), models.load_tokenizer(folder)
 
     # -- the stages ---------------------------------------------------------------------------------
-    def train(self, start: dict, blocks: np.ndarray, options, plan: RoundPlan, steps: int) -> dict:
+    def train(
+        self,
+        start: dict,
+        blocks: np.ndarray,
+        options,
+        plan: RoundPlan,
+        steps: int,
+        moments: dict | None = None,
+    ) -> dict:
         """`steps` steps of one site (or the pooled model) from `start`: the training loop's data order,
-        schedule, AdamW and clipping, in one process. Returns the trained weights."""
+        schedule, AdamW and clipping, in one process. Returns the trained weights. `moments`: the site's
+        AdamW state of its previous round (federation.site_optimizer: keep), updated in place."""
         model = self.model
         model.load_state_dict(start)
         if options.adapter:
@@ -172,6 +186,8 @@ class Bench:
         optimizer = torch.optim.AdamW(
             params, lr=options.lr, betas=options.betas, weight_decay=options.weight_decay, eps=ADAM_EPS
         )
+        if moments is not None and "state" in moments:
+            optimizer.load_state_dict(moments)
         order = BlockOrder(len(blocks), options.global_batch, options.micro_batch, 1, options.seed)
         torch.manual_seed(options.seed)
         first = plan.first_step(steps)
@@ -184,6 +200,8 @@ class Bench:
             torch.nn.utils.clip_grad_norm_(params, options.grad_clip if options.grad_clip > 0 else math.inf)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+        if moments is not None:
+            moments.update(copy.deepcopy(optimizer.state_dict()))
         if options.adapter:
             model = model.merge_and_unload()  # base + s B A, exactly the adapter's update
             self.model = model
@@ -201,10 +219,11 @@ class Bench:
         return result
 
     def pooled(self) -> dict[str, float]:
-        path = self.cache / f"pooled-{self.regime}-{self.set_name}.json"
+        options = self.run.pooled
+        budget = f"{options.max_steps}x{options.global_batch}-lr{options.lr}"
+        path = self.cache / f"pooled-{self.regime}-{self.set_name}-{budget}.json"
         if path.is_file():
             return json.loads(path.read_text())
-        options = self.run.pooled
         blocks = np.concatenate([self.blocks[s] for s in self.sites])
         started = time.time()
         state = self.train(self.base_state, blocks, options, RoundPlan(), options.max_steps)
@@ -221,6 +240,8 @@ class Bench:
         tokens = {s: self.blocks[s].size for s in self.sites}
         weights = fconfig_weights(aggregate.weights, tokens)
         state, server_state, rows = self.base_state, {}, []
+        keep = run.site_optimizer == "keep"
+        moments = {site: {} for site in self.sites}
         started = time.time()
         for r in range(1, run.rounds + 1):
             plan = RoundPlan(r, run.rounds, run.lr_schedule)
@@ -228,14 +249,18 @@ class Bench:
             for site in self.sites:
                 options = run.sites[site].train
                 key = json.dumps([site, fconfig._plain(options)], default=str)
+                key = json.dumps([key, keep])
                 if r == 1 and key in self.round_one:  # round 1 starts from the base for every strategy
-                    trained[site] = self.round_one[key]
+                    trained[site], moments[site] = self.round_one[key]
+                    moments[site] = copy.deepcopy(moments[site])
                     continue
-                trained[site] = self.train(state, self.blocks[site], options, plan, options.max_steps)
+                trained[site] = self.train(state, self.blocks[site], options, plan, options.max_steps,
+                                           moments[site] if keep else None)  # fmt: skip
                 if r == 1:
-                    self.round_one[key] = trained[site]
+                    self.round_one[key] = (trained[site], copy.deepcopy(moments[site]))
             state, server_state = merge(state, trained, weights, aggregate.server_optimizer, server_state)
-            if r == run.rounds or r in (1, run.rounds // 2):
+            # Scored after rounds 1, R/2 and R from scratch; only after R in the slow fine-tuning regimes.
+            if r == run.rounds or (self.regime == "scratch" and r in (1, run.rounds // 2)):
                 for site, value in self.perplexity(state).items():
                     rows.append({"round": r, "site": site, "perplexity": value})
         print(f"  {label}: {time.time() - started:.0f} s", flush=True)
@@ -280,26 +305,33 @@ def run(args) -> int:
     torch.set_num_threads(args.threads)
     half_sets = sets.HALVES[args.half]
     names = args.sets or (list(half_sets) if args.regime == "scratch" else list(sets.FINETUNE[args.half]))
-    candidate = json.loads(args.server) if args.server else None
-    strategies = list(args.strategies) + (["candidate"] if candidate else [])
+    candidate = json.loads(args.candidate) if args.candidate else None
+    if args.server:
+        candidate = fconfig.deep_merge(
+            candidate or {}, {"aggregate": {"server_optimizer": json.loads(args.server)}}
+        )
+    strategies = list(args.strategies) + (["candidate"] if candidate is not None else [])
     out = args.out / f"{args.regime}-{args.half}.csv"
     frames = [pd.read_csv(out)] if out.is_file() else []
     for name in names:
         if name not in half_sets:
             raise SystemExit(f"error: set {name!r} is not in the {args.half} half ({sorted(half_sets)})")
         print(f"{args.regime} / {name}", flush=True)
-        bench = Bench(args.regime, name, args.text, args.cache)
+        bench = Bench(args.regime, name, args.text, args.cache, args.rounds, args.steps)
         pooled = bench.pooled()
         for strategy in strategies:
             label = args.label if strategy == "candidate" and args.label else strategy
             config = strategy_config(bench.base_config, strategy, candidate, len(bench.sites))
             rows = pd.DataFrame(bench.federate(config, label))
-            rows["gap"] = [p / pooled[s] for p, s in zip(rows.perplexity, rows.site)]
+            rows["gap"] = [p / pooled[s] for p, s in zip(rows.perplexity, rows.site, strict=True)]
             rows["pooled"] = [pooled[s] for s in rows.site]
             rows.insert(0, "strategy", label)
             rows.insert(0, "set", name)
             final = rows[rows["round"] == rows["round"].max()]
-            print("    " + "  ".join(f"{s} {g:.2f}x" for s, g in zip(final.site, final.gap)), flush=True)
+            print(
+                "    " + "  ".join(f"{s} {g:.2f}x" for s, g in zip(final.site, final.gap, strict=True)),
+                flush=True,
+            )
             frames = [f[~((f["set"] == name) & (f["strategy"] == label))] for f in frames] + [rows]
             args.out.mkdir(parents=True, exist_ok=True)
             pd.concat(frames).to_csv(out, index=False)
@@ -318,17 +350,26 @@ def table(frame: pd.DataFrame) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("command", choices=["prepare", "run", "table"])
     parser.add_argument("--regime", choices=["scratch", "finetune", "lora"], default="scratch")
     parser.add_argument("--half", choices=sorted(sets.HALVES), default="confirmation")
     parser.add_argument("--sets", nargs="*", help="a few sets of the half (default: all of the regime's)")
     parser.add_argument("--strategies", nargs="*", default=["fedavg", "default", "knob-half", "knob-double"])
     parser.add_argument("--server", help="a candidate server_optimizer section (JSON), as `candidate`")
+    parser.add_argument(
+        "--candidate",
+        help="a config overlay (JSON) tried as `candidate`, e.g. "
+        '\'{"federation": {"site_optimizer": "keep"}}\'',
+    )
     parser.add_argument("--label", help="the candidate's name in the table")
     parser.add_argument("--text", type=Path, default=ROOT / ".cache" / "fedbench" / "text")
     parser.add_argument("--cache", type=Path, default=ROOT / ".cache" / "fedbench")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "federation")
+    parser.add_argument("--rounds", type=int, help="rounds instead of the regime's")
+    parser.add_argument("--steps", type=int, help="steps a round instead of the regime's")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     if args.command == "prepare":

@@ -11,7 +11,7 @@ Every site is real text from a Debian package (scripts/real-text builds it; `pre
   and odd documents in the source's hash order), so no text is in both.
 No language of one source appears in both halves. The number after the site is its training documents
 (a Debian Reference holds 240-500 pieces, so its sites are smaller): sizes differ by 5x or more in most
-sets, and four sets have three or four sites. Each site's test split is its first 40 test documents (12 in
+sets, and four sets have three or four sites. Each site's test split is its first 40 test documents (8 in
 the fine-tuning regimes, whose model is slower to score), 37 for the English Debian Reference.
 
 FINETUNE names the sets of the fine-tuning regime (SmolLM2-135M, full weights and LoRA): two of each half.

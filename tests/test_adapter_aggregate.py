@@ -35,6 +35,7 @@ from fedtune.aggregate.adapters import (  # noqa: E402
     aggregate_adapters,
     main,
 )
+from fedtune.core.config import AggregateOptions  # noqa: E402
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
@@ -512,3 +513,95 @@ def test_cli_refuses_tokens_without_manifests_and_merge_without_base(two_ranks, 
     assert main(["--merge", str(low), "--out", str(tmp_path / "m"), "--options", "{}"]) == 2
     assert "--merge needs --base" in capsys.readouterr().err
     assert not (tmp_path / "o").exists() and not (tmp_path / "m").exists()
+
+
+# ---------------------------------------------------------------------------------------------------
+# server optimizers on the merged low-rank update
+
+
+@pytest.mark.parametrize(
+    "server", [{"name": "sgd", "lr": 1.7}, {"name": "fedavgm", "lr": 1.3, "momentum": 0.6}]
+)
+def test_server_optimizer_over_adapters_is_exactly_its_rule_on_the_dense_updates(
+    server, llama_base, tmp_path
+):
+    """Two rounds: the merged model of each round is base + the optimizer's update computed by hand on
+    the dense mean updates (fedavgm: m1 = D1, m2 = momentum m1 + D2; update lr m), and the momentum's
+    rank grows by the round's rank."""
+    weights = [1.0, 3.0]
+    options = json.dumps(
+        {"adapter_merge": "exact", "weights": {"a": 1.0, "b": 3.0}, "server_optimizer": server}
+    )
+    momentum = None
+    state_in = []
+    for round_ in (1, 2):
+        sites = [
+            train_adapter(
+                LlamaForCausalLM,
+                llama_base,
+                tmp_path / f"r{round_}" / name,
+                seed + 10 * round_,
+                r=r,
+                lora_alpha=2 * r,
+                target_modules=ATTENTION,
+            )  # fmt: skip
+            for name, seed, r in (("a", 1, 4), ("b", 2, 2))
+        ]
+        out, state = tmp_path / f"aggregate-{round_}", tmp_path / f"state-{round_}"
+        argv = ["--adapters", *(f"{s.name}={s}" for s in sites), "--options", options]
+        assert main([*argv, *state_in, "--server-state-out", str(state), "--out", str(out),
+                     "--merge-into", str(llama_base)]) == 0  # fmt: skip
+        state_in = ["--server-state-in", str(state)]
+        mean = expected_mean(sites, weights)
+        if server["name"] == "sgd":
+            want = {n: server["lr"] * d for n, d in mean.items()}
+        else:
+            momentum = (
+                mean
+                if momentum is None
+                else {n: server["momentum"] * momentum[n] + d for n, d in mean.items()}
+            )
+            want = {n: server["lr"] * m for n, m in momentum.items()}
+        base = base_state(LlamaForCausalLM, llama_base)
+        merged = AutoModelForCausalLM.from_pretrained(out / "merged").state_dict()
+        loaded = peft_merged(LlamaForCausalLM, llama_base, out)
+        for name, update in want.items():
+            assert rel_error(merged[name] - base[name], update) < 1e-6, (round_, name)
+            assert rel_error(loaded[name] - base[name], update) < 1e-6, (round_, name)
+        record = json.loads((state / "server_state.json").read_text())
+        assert record["optimizer"]["name"] == server["name"]
+        if server["name"] == "fedavgm":
+            assert record["rank"] == 6 * round_  # the sites' ranks 4 + 2, stacked once per round
+        else:
+            assert record["rank"] is None and not (state / "momentum.safetensors").exists()
+
+
+def test_adapter_server_state_of_another_optimizer_or_adaptive_optimizers_are_refused(
+    two_ranks, tmp_path, capsys
+):
+    sgd = json.dumps({"weights": "uniform", "server_optimizer": {"name": "sgd", "lr": 2.0}})
+    argv = ["--adapters", *(f"{s.name}={s}" for s in two_ranks)]
+    assert (
+        main(
+            [
+                *argv,
+                "--options",
+                sgd,
+                "--out",
+                str(tmp_path / "a1"),
+                "--server-state-out",
+                str(tmp_path / "s1"),
+            ]
+        )
+        == 0
+    )
+    fedavgm = json.dumps({"adapter_merge": "exact", "server_optimizer": {"name": "fedavgm"}})
+    with pytest.raises(AdapterAggregateError, match="written by server optimizer 'sgd', not 'fedavgm'"):
+        aggregate_adapters(two_ranks, tmp_path / "a2", server_state_in=tmp_path / "s1",
+                           server_optimizer=AggregateOptions.from_json(fedavgm).server_optimizer)  # fmt: skip
+    adam = AggregateOptions.from_json(json.dumps({"server_optimizer": {"name": "fedadam"}})).server_optimizer
+    with pytest.raises(
+        AdapterAggregateError, match="fedadam keeps per-coordinate state that is not low-rank"
+    ):
+        aggregate_adapters(two_ranks, tmp_path / "a3", server_optimizer=adam)
+    assert not (tmp_path / "a2").exists() and not (tmp_path / "a3").exists()

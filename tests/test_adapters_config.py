@@ -112,3 +112,15 @@ def test_dry_run_of_the_llama_example_states_the_bytes_each_round_moves(tmp_path
             f"adapters: site {site}: adapter 33.6 MB (bfloat16) per site per round vs full model 13.5 GB "
             "(bfloat16): 0.25%" in after.stderr
         ), after.stderr[-3000:]
+
+
+def test_adapters_take_the_linear_server_optimizers_and_their_state_goes_from_round_to_round():
+    run = build(demo_lora(aggregate__server_optimizer={"name": "fedavgm", "momentum": 0.5}))
+    assert run.aggregate.server_optimizer.name == "fedavgm"
+    with pytest.raises(ConfigError, match="needs aggregate.adapter_merge: exact"):
+        build(
+            demo_lora(
+                aggregate__server_optimizer={"name": "sgd", "lr": 2.0},
+                aggregate__adapter_merge="average_factors",
+            )
+        )

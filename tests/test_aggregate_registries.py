@@ -45,6 +45,28 @@ def test_server_optimizer_names_and_parameters_are_the_schemas():
     assert read == fields - {"name"} == set(SERVER) - {"name"}
 
 
+def test_adapters_take_exactly_the_linear_server_optimizers():
+    """config's check of adapter runs names the optimizers the registry marks linear, and each of them
+    is linear: its update for a*D1 + b*D2 is a*update(D1) + b*update(D2) with the same state."""
+    from fedtune.core.config import LOW_RANK_SERVER_OPTIMIZERS
+
+    linear = [o.name for o in server_optimizers.OPTIMIZERS.values() if o.linear]
+    assert list(LOW_RANK_SERVER_OPTIMIZERS) == linear
+    generator = torch.Generator().manual_seed(0)
+    d1, d2, m = (torch.randn(16, generator=generator) for _ in range(3))
+    for name in linear:
+        options = ServerOptimizerOptions.from_mapping({"name": name, "lr": 1.5})
+        slots = server_optimizers.slots(options)
+
+        def update(delta, options=options, slots=slots):
+            out = {slot: torch.empty(16) for slot in slots}
+            return server_optimizers.step(options, delta.clone(), {slot: m for slot in slots}, out)
+
+        combined = update(2 * d1 - 3 * d2) - update(torch.zeros(16))
+        parts = 2 * (update(d1) - update(torch.zeros(16))) - 3 * (update(d2) - update(torch.zeros(16)))
+        assert torch.allclose(combined, parts, atol=1e-5), name
+
+
 def test_every_method_has_the_one_signature_and_streams_in_chunks():
     g = torch.Generator().manual_seed(0)
     n = methods.CHUNK + 77  # two chunks, the second partial

@@ -45,7 +45,7 @@ from fedtune.aggregate.model_compat import CONFIG_FILE, COPIED_FILES
 from fedtune.core import cli
 from fedtune.core.atomic import atomic_dir, write_json
 from fedtune.core.checksums import sha256_file
-from fedtune.core.config import MERGED_DTYPES, AggregateOptions, torch_dtype
+from fedtune.core.config import MERGED_DTYPES, AggregateOptions, ServerOptimizerOptions, torch_dtype
 from fedtune.core.models import record_checksums, verify_checksums
 from fedtune.core.safetensors_stream import (
     ST_DTYPES,
@@ -431,6 +431,96 @@ def _write_adapter(
 
 
 # ---------------------------------------------------------------------------------------------------
+# The server optimizer on the merged low-rank update
+
+MOMENTUM_FILE = "momentum.safetensors"
+STATE_RECORD = "server_state.json"
+
+
+def server_factors(
+    factors: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+    optimizer: ServerOptimizerOptions,
+    state_in: Path | None,
+) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, tuple[torch.Tensor, torch.Tensor]] | None]:
+    """(update, momentum) of the round, both as low-rank factors (scaling 1), from the round's exact
+    aggregate `factors` (the merged pseudo-gradient Delta = B A per module).
+
+    The linear server optimizers stay exact on adapters: sgd's update lr * Delta is (lr B) A, and
+    fedavgm's momentum m = momentum * m_prev + Delta is m_prev's factors (B scaled by momentum) stacked
+    with Delta's, so m's rank grows by the round's rank each round (8 rounds of 2 sites at r 8: 128)
+    while the update lr * m stays exactly what fedavgm does on whole models."""
+    if optimizer.plain:
+        return dict(factors), None
+    if optimizer.name == "sgd":
+        return {name: (optimizer.lr * b, a) for name, (b, a) in factors.items()}, None
+    if optimizer.name != "fedavgm":
+        raise AdapterAggregateError(
+            f"aggregate.server_optimizer: {optimizer.name} keeps per-coordinate state that is not low-rank; "
+            "with train.adapter use sgd or fedavgm"
+        )
+    momentum = dict(factors)
+    if state_in is not None:
+        previous = _read_momentum(state_in, factors)
+        momentum = {
+            name: (torch.cat([optimizer.momentum * pb, b], dim=1), torch.cat([pa, a], dim=0))
+            for name, (b, a) in factors.items()
+            for pb, pa in [previous[name]]
+        }
+    return {name: (optimizer.lr * b, a) for name, (b, a) in momentum.items()}, momentum
+
+
+def _read_momentum(state_in: Path, factors: Mapping) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    path = Path(state_in) / MOMENTUM_FILE
+    if not path.is_file():
+        raise AdapterAggregateError(f"--server-state-in: {path} not found (not an adapter server state)")
+    tensors = load_file(path)
+    result = {}
+    for name, (b, a) in factors.items():
+        pb, pa = tensors.get(f"{name}.B"), tensors.get(f"{name}.A")
+        if pb is None or pa is None or pb.shape[0] != b.shape[0] or pa.shape[1] != a.shape[1]:
+            raise AdapterAggregateError(
+                f"--server-state-in: {path} has no momentum of {name} that fits this adapter "
+                f"({b.shape[0]} x {a.shape[1]})"
+            )
+        result[name] = (pb, pa)
+    unknown = sorted({key.rsplit(".", 1)[0] for key in tensors} - set(factors))
+    if unknown:
+        raise AdapterAggregateError(
+            f"--server-state-in: {path} holds modules this adapter lacks: {unknown[:3]}"
+        )
+    return result
+
+
+def _write_server_state(out: Path, optimizer: ServerOptimizerOptions, momentum) -> dict:
+    from safetensors.torch import save_file
+
+    record = {"optimizer": optimizer.to_dict(), "rank": None}
+    if momentum is not None:
+        tensors = {}
+        for name, (b, a) in momentum.items():
+            tensors[f"{name}.B"], tensors[f"{name}.A"] = b.contiguous(), a.contiguous()
+        save_file(tensors, out / MOMENTUM_FILE, metadata={"format": "pt"})
+        record["rank"] = max(b.shape[1] for b, _ in momentum.values())
+    write_json(out / STATE_RECORD, record)
+    return record
+
+
+def _check_server_state_in(state_in: Path | None, optimizer: ServerOptimizerOptions) -> None:
+    if state_in is None:
+        return
+    record_path = Path(state_in) / STATE_RECORD
+    if not record_path.is_file():
+        raise AdapterAggregateError(f"--server-state-in: {record_path} not found (not a server state folder)")
+    written_by = json.loads(record_path.read_text(encoding="utf-8")).get("optimizer", {}).get("name")
+    if written_by != optimizer.name:
+        raise AdapterAggregateError(
+            f"--server-state-in: {state_in} was written by server optimizer {written_by!r}, not {optimizer.name!r}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------
 # Merged into the base model
 
 
@@ -564,13 +654,26 @@ def aggregate_adapters(
     merge_into: str | Path | None = None,
     merged_out: str | Path | None = None,
     max_shard_size: str | int = "5GB",
+    server_optimizer: ServerOptimizerOptions | None = None,
+    server_state_in: str | Path | None = None,
+    server_state_out: str | Path | None = None,
 ) -> dict:
     """Aggregate PEFT LoRA folders (a list, or site -> folder) into the adapter folder `out_dir`; with
     `merge_into` (a base model folder) also into a full model at `merged_out` (default out_dir/merged).
     `weights`: as aggregate.weights (tokens, from `manifests`; uniform; site -> number) or one number
-    per adapter; normalised here. Returns aggregate.json."""
+    per adapter; normalised here. A `server_optimizer` other than plain FedAvg (sgd or fedavgm, exact
+    mode) turns the merged update into the round's step (`server_factors`), its momentum read from
+    `server_state_in` (none in the first round) and written to `server_state_out`. Returns
+    aggregate.json."""
     started = time.perf_counter()
     _check_arguments(mode, dtype, out_dir, merge_into, merged_out)
+    optimizer = server_optimizer or ServerOptimizerOptions.from_mapping({"name": "sgd", "lr": 1.0})
+    if not optimizer.plain and mode != "exact":
+        raise AdapterAggregateError(
+            f"aggregate.server_optimizer: {optimizer.name} needs adapter_merge exact (average_factors is "
+            "not the sites' mean update, so a step on it is not the optimizer's)"
+        )
+    _check_server_state_in(Path(server_state_in) if server_state_in else None, optimizer)
     pairs = _site_folders(adapters)
     shard_limit = parse_size(max_shard_size)
     loaded = [read_adapter(site, path) for site, path in pairs]
@@ -587,11 +690,19 @@ def aggregate_adapters(
     tensors = [_load(a) for a in loaded]
     n_weights = [weighting["normalised"][a.site] for a in loaded]
     factors, whole, rank, scale = aggregate_factors(loaded, tensors, n_weights, mode)
+    if whole and not optimizer.plain:
+        raise AdapterAggregateError(
+            f"aggregate.server_optimizer: {optimizer.name} steps on low-rank updates; the adapters also "
+            f"train whole tensors ({sorted(whole)[:3]}), which it would not move; use sgd with lr 1"
+        )
+    factors, momentum = server_factors(factors, optimizer, Path(server_state_in) if server_state_in else None)
+    rank = max(b.shape[1] for b, _ in factors.values()) if mode == "exact" else rank
     config = adapter_config(ref, mode, rank)
     out_dir = Path(out_dir)
     merged_dir = Path(merged_out) if merged_out is not None else out_dir / "merged"
     with contextlib.ExitStack() as stack:
         tmp, merged_tmp = _output_folders(stack, out_dir, merged_dir if base is not None else None)
+        state_tmp = stack.enter_context(atomic_dir(Path(server_state_out))) if server_state_out else None
         _write_adapter(tmp, ref, config, factors, whole, dtype)
         digests = {ADAPTER_WEIGHTS: sha256_file(tmp / ADAPTER_WEIGHTS)}
         record_checksums(tmp, digests)
@@ -604,7 +715,13 @@ def aggregate_adapters(
             "output": _output_record(tmp, out_dir, config, loaded, mode, rank, digests),
             "merged": None,
             "warnings": warnings,
+            "server_optimizer": optimizer.to_dict(),
         }
+        if state_tmp is not None:
+            record["server_state_out"] = {
+                "dir": str(server_state_out),
+                **_write_server_state(state_tmp, optimizer, momentum),
+            }
         if base is not None:
             merged, base_record = write_merged(
                 merged_tmp, base, plan, factors, whole, scale, ref, shard_limit
@@ -804,6 +921,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="folder of the merged model (default: OUT/merged)",
     )
     parser.add_argument(
+        "--server-state-in", default=None, metavar="DIR", help="the previous round's server state (fedavgm)"
+    )
+    parser.add_argument(
+        "--server-state-out", default=None, metavar="DIR", help="where this round's server state goes"
+    )
+    parser.add_argument(
         "--dtype",
         default="auto",
         choices=OUTPUT_DTYPES,
@@ -826,6 +949,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         merge_into=args.merge_into,
         merged_out=args.merged_output,
         max_shard_size=options.max_shard_size,
+        server_optimizer=options.server_optimizer,
+        server_state_in=args.server_state_in,
+        server_state_out=args.server_state_out,
     )
 
 

@@ -44,6 +44,9 @@ class ServerOptimizer:
     parameters: Mapping[str, object]
     step: Step
     slots: tuple[str, ...] = ()
+    # The update is a linear combination of this and past rounds' pseudo-gradients, so LoRA adapters can
+    # carry it exactly as stacked low-rank factors (fedtune.aggregate.adapters.server_factors).
+    linear: bool = False
 
 
 def _sgd(options, delta, state, out):
@@ -85,8 +88,8 @@ _ADAPTIVE = {"lr": 1.0, "betas": (0.9, 0.99), "tau": 1e-3}
 OPTIMIZERS: dict[str, ServerOptimizer] = {
     o.name: o
     for o in (
-        ServerOptimizer("sgd", {"lr": 1.0}, _sgd),
-        ServerOptimizer("fedavgm", {"lr": 1.0, "momentum": 0.9}, _fedavgm, ("m",)),
+        ServerOptimizer("sgd", {"lr": 1.0}, _sgd, linear=True),
+        ServerOptimizer("fedavgm", {"lr": 1.0, "momentum": 0.9}, _fedavgm, ("m",), linear=True),
         ServerOptimizer("fedadam", _ADAPTIVE, _fedadam, ("m", "v")),
         ServerOptimizer("fedyogi", _ADAPTIVE, _fedyogi, ("m", "v")),
         ServerOptimizer("fedadagrad", _ADAPTIVE, _fedadagrad, ("m", "v")),

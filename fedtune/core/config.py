@@ -912,6 +912,11 @@ def _aggregate_options(config: Mapping, sites: Mapping[str, Site], source: str) 
     return aggregate
 
 
+# The server optimizers whose update is linear in the pseudo-gradients, which LoRA adapters carry exactly
+# (fedtune.aggregate.server_optimizers marks them `linear`; a test holds the two equal).
+LOW_RANK_SERVER_OPTIMIZERS = ("sgd", "fedavgm")
+
+
 def _check_adapters(
     aggregate: AggregateOptions, federation: Mapping, sites: Mapping[str, Site], source: str
 ) -> None:
@@ -930,10 +935,15 @@ def _check_adapters(
             f"{source}: aggregate.method: {aggregate.method} merges whole task vectors; with "
             "train.adapter use fedavg (aggregate.adapter_merge says how the adapters combine)"
         )
-    if not aggregate.server_optimizer.plain:
+    if aggregate.server_optimizer.name not in LOW_RANK_SERVER_OPTIMIZERS:
         raise ConfigError(
-            f"{source}: aggregate.server_optimizer: {aggregate.server_optimizer.to_dict()} needs whole "
-            "models each round; with train.adapter leave it at sgd, lr 1"
+            f"{source}: aggregate.server_optimizer: {aggregate.server_optimizer.name} keeps per-coordinate "
+            f"state that is not low-rank; with train.adapter use {' or '.join(LOW_RANK_SERVER_OPTIMIZERS)}"
+        )
+    if not aggregate.server_optimizer.plain and aggregate.adapter_merge != "exact":
+        raise ConfigError(
+            f"{source}: aggregate.server_optimizer: {aggregate.server_optimizer.name} with train.adapter "
+            "needs aggregate.adapter_merge: exact"
         )
     if aggregate.compare:
         raise ConfigError(f"{source}: aggregate.compare: not available with train.adapter")

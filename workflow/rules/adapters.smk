@@ -9,8 +9,10 @@ if ADAPTERS and aggregates_here():
         input:
             models=lambda wc: [site_model_dir(wc.round, site) for site in SITES],
             manifests=[manifest_path(site) for site in SITES],
+            server_state=server_state_in,
         output:
-            directory(aggregate_adapter_dir("{round}")),
+            adapter=directory(aggregate_adapter_dir("{round}")),
+            server_state=directory(server_state_dir("{round}")),
         log:
             log_path("aggregate", "round-{round}"),
         conda:
@@ -23,11 +25,17 @@ if ADAPTERS and aggregates_here():
         params:
             models=site_model_args,
             manifests=[f"{site}={manifest_path(site)}" for site in SITES],
-            # adapter_merge, weights and max_shard_size of the aggregate section.
+            # adapter_merge, weights, server_optimizer and max_shard_size of the aggregate section.
             options=RUN.aggregate.merge_json(),
+            state_in=lambda wc, input: (
+                f"--server-state-in {shlex.quote(input.server_state[0])}"
+                if input.server_state
+                else ""
+            ),
         shell:
-            "python -m fedtune.aggregate.adapters --out {output:q} --options {params.options:q}"
-            " --adapters {params.models:q}"
+            "python -m fedtune.aggregate.adapters --out {output.adapter:q} --options {params.options:q}"
+            " --adapters {params.models:q} {params.state_in}"
+            " --server-state-out {output.server_state:q}"
             " --manifest {params.manifests:q} > {log:q} 2>&1"
 
 

@@ -257,7 +257,7 @@ def server_state_dir(round):
 
 def server_state_in(wildcards):
     round = int(wildcards.round)
-    return [server_state_dir(round - 1)] if round > 1 and not ADAPTERS else []
+    return [server_state_dir(round - 1)] if round > 1 else []
 
 
 def compare_model_dir(round, method):
