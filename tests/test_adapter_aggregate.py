@@ -605,3 +605,37 @@ def test_adapter_server_state_of_another_optimizer_or_adaptive_optimizers_are_re
     ):
         aggregate_adapters(two_ranks, tmp_path / "a3", server_optimizer=adam)
     assert not (tmp_path / "a2").exists() and not (tmp_path / "a3").exists()
+
+
+def test_fedavgm_steps_the_tensors_adapters_train_whole_from_the_start_model(tmp_path):
+    """modules_to_save under fedavgm: the head is start + lr m, m = momentum m_prev + (mean - start),
+    over two rounds; without --start it is refused."""
+    torch.manual_seed(0)
+    config = llama_config(num_labels=3, pad_token_id=0)
+    base = save_base(LlamaForSequenceClassification(config), tmp_path / "base")
+    start = load_file(base / "model.safetensors")["score.weight"].float()
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "task_type": "SEQ_CLS"}
+    server = AggregateOptions.from_json(json.dumps({"server_optimizer": {"name": "fedavgm", "lr": 1.5}}))
+    momentum, state_in = None, None
+    for round_ in (1, 2):
+        sites = [
+            train_adapter(
+                LlamaForSequenceClassification, base, tmp_path / f"r{round_}{s}", k + 5 * round_, **lora
+            )
+            for k, s in enumerate("ab")
+        ]
+        if round_ == 1:
+            with pytest.raises(AdapterAggregateError, match="--start is needed"):
+                aggregate_adapters(sites, tmp_path / "refused", server_optimizer=server.server_optimizer,
+                                   server_state_out=tmp_path / "refused-state")  # fmt: skip
+            assert not (tmp_path / "refused").exists() and not (tmp_path / "refused-state").exists()
+        out, state = tmp_path / f"out{round_}", tmp_path / f"state{round_}"
+        aggregate_adapters(sites, out, weights=[1.0, 4.0], merge_into=base, start=base,
+                           server_optimizer=server.server_optimizer, server_state_in=state_in,
+                           server_state_out=state)  # fmt: skip
+        state_in = state
+        heads = [load_file(s / ADAPTER_WEIGHTS)["base_model.model.score.weight"] for s in sites]
+        delta = 0.2 * heads[0] + 0.8 * heads[1] - start
+        momentum = delta if momentum is None else 0.5 * momentum + delta
+        merged = AutoModelForSequenceClassification.from_pretrained(out / "merged").state_dict()
+        assert torch.allclose(merged["score.weight"], start + 1.5 * momentum, atol=1e-6), round_

@@ -49,7 +49,11 @@ def test_the_lora_examples_are_valid_and_every_site_trains_an_adapter():
         ({"aggregate__compare": ["ties"]}, "aggregate.compare: not available with train.adapter"),
         ({"federation__site_optimizer": "keep"}, "federation.site_optimizer: keep; with train.adapter"),
         (
-            {"aggregate__adapter_merge": "average_factors", "sites__beta__train": {"adapter": {"r": 4}}},
+            {
+                "aggregate__adapter_merge": "average_factors",
+                "aggregate__server_optimizer": {"name": "sgd"},
+                "sites__beta__train": {"adapter": {"r": 4}},
+            },
             "average_factors needs the same rank and target modules at every site (alpha r=8",
         ),
         (
@@ -117,7 +121,9 @@ def test_dry_run_of_the_llama_example_states_the_bytes_each_round_moves(tmp_path
 def test_adapters_take_the_linear_server_optimizers_and_their_state_goes_from_round_to_round():
     run = build(demo_lora(aggregate__server_optimizer={"name": "fedavgm", "momentum": 0.5}))
     assert run.aggregate.server_optimizer.name == "fedavgm"
-    with pytest.raises(ConfigError, match="needs aggregate.adapter_merge: exact"):
+    with pytest.raises(
+        ConfigError, match="needs aggregate.adapter_merge: exact .or server_optimizer sgd at lr 1"
+    ):
         build(
             demo_lora(
                 aggregate__server_optimizer={"name": "sgd", "lr": 2.0},

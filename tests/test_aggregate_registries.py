@@ -108,7 +108,13 @@ def test_the_run_config_holds_the_section_as_options_with_the_models_dtype():
     config["aggregate"] = {"method": "ties", "weights": {"alpha": 1, "beta": 2}}
     run = build_run_config(config)
     assert isinstance(run.aggregate, AggregateOptions) and run.aggregate.dtype == "bfloat16"
-    assert run.aggregate.method == "ties" and run.aggregate.server_optimizer.name == "sgd"
+    # The default server optimizer (docs/federation.md): fedavgm, lr 1, momentum 0.5.
+    default = run.aggregate.server_optimizer
+    assert run.aggregate.method == "ties" and (default.name, default.lr, default.momentum) == (
+        "fedavgm",
+        1.0,
+        0.5,
+    )
     config = demo_config()
     config["aggregate"] = {"weights": {"alpha": 1}}
     with pytest.raises(

@@ -46,7 +46,7 @@ from fedtune.core import cli
 from fedtune.core.atomic import atomic_dir, write_json
 from fedtune.core.checksums import sha256_file
 from fedtune.core.config import MERGED_DTYPES, AggregateOptions, ServerOptimizerOptions, torch_dtype
-from fedtune.core.models import record_checksums, verify_checksums
+from fedtune.core.models import record_checksums, verify_checksums, weight_files
 from fedtune.core.safetensors_stream import (
     ST_DTYPES,
     FolderReader,
@@ -441,35 +441,51 @@ def server_factors(
     factors: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
     optimizer: ServerOptimizerOptions,
     state_in: Path | None,
-) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, tuple[torch.Tensor, torch.Tensor]] | None]:
-    """(update, momentum) of the round, both as low-rank factors (scaling 1), from the round's exact
-    aggregate `factors` (the merged pseudo-gradient Delta = B A per module).
+    whole: Mapping[str, torch.Tensor] | None = None,
+    start_whole: Mapping[str, torch.Tensor] | None = None,
+) -> tuple[dict, dict, dict | None]:
+    """(update factors, whole tensors, momentum) of the round, the factors at scaling 1, from the
+    round's exact aggregate `factors` (the merged pseudo-gradient Delta = B A per module) and the
+    sites' mean of the tensors they train whole (`whole`, against their values in the round's start
+    model, `start_whole`).
 
     The linear server optimizers stay exact on adapters: sgd's update lr * Delta is (lr B) A, and
     fedavgm's momentum m = momentum * m_prev + Delta is m_prev's factors (B scaled by momentum) stacked
     with Delta's, so m's rank grows by the round's rank each round (8 rounds of 2 sites at r 8: 128)
-    while the update lr * m stays exactly what fedavgm does on whole models."""
+    while the update lr * m stays exactly what fedavgm does on whole models. Whole tensors (peft's
+    modules_to_save) take the same rule on their dense delta, mean - start."""
+    whole = dict(whole or {})
     if optimizer.plain:
-        return dict(factors), None
-    if optimizer.name == "sgd":
-        return {name: (optimizer.lr * b, a) for name, (b, a) in factors.items()}, None
-    if optimizer.name != "fedavgm":
+        return dict(factors), whole, None
+    if optimizer.name not in ("sgd", "fedavgm"):
         raise AdapterAggregateError(
             f"aggregate.server_optimizer: {optimizer.name} keeps per-coordinate state that is not low-rank; "
             "with train.adapter use sgd or fedavgm"
         )
-    momentum = dict(factors)
-    if state_in is not None:
-        previous = _read_momentum(state_in, factors)
-        momentum = {
-            name: (torch.cat([optimizer.momentum * pb, b], dim=1), torch.cat([pa, a], dim=0))
-            for name, (b, a) in factors.items()
-            for pb, pa in [previous[name]]
-        }
-    return {name: (optimizer.lr * b, a) for name, (b, a) in momentum.items()}, momentum
+    if whole and start_whole is None:
+        raise AdapterAggregateError(
+            f"--start is needed: server optimizer {optimizer.name} steps the tensors the adapters train whole "
+            f"({sorted(whole)[:2]}) from their values in the round's start model"
+        )
+    deltas = {key: value - start_whole[key] for key, value in whole.items()}
+    momentum = {name: (b, a) for name, (b, a) in factors.items()}
+    momentum.update({f"whole:{key}": (delta, None) for key, delta in deltas.items()})
+    if optimizer.name == "fedavgm" and state_in is not None:
+        previous = _read_momentum(state_in, momentum)
+        for name, (b, a) in list(momentum.items()):
+            pb, pa = previous[name]
+            if a is None:  # a dense whole tensor
+                momentum[name] = (optimizer.momentum * pb + b, None)
+            else:
+                momentum[name] = (torch.cat([optimizer.momentum * pb, b], dim=1), torch.cat([pa, a], dim=0))
+    update = {name: (optimizer.lr * b, a) for name, (b, a) in momentum.items() if a is not None}
+    stepped = {key: start_whole[key] + optimizer.lr * momentum[f"whole:{key}"][0] for key in whole}
+    return update, stepped, momentum if optimizer.name == "fedavgm" else None
 
 
-def _read_momentum(state_in: Path, factors: Mapping) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def _read_momentum(state_in: Path, momentum: Mapping) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """The previous round's momentum, entry by entry as `momentum` holds them: (B, A) factors of a
+    module, or (dense tensor, None) of a whole tensor."""
     from safetensors.torch import load_file
 
     path = Path(state_in) / MOMENTUM_FILE
@@ -477,7 +493,15 @@ def _read_momentum(state_in: Path, factors: Mapping) -> dict[str, tuple[torch.Te
         raise AdapterAggregateError(f"--server-state-in: {path} not found (not an adapter server state)")
     tensors = load_file(path)
     result = {}
-    for name, (b, a) in factors.items():
+    for name, (b, a) in momentum.items():
+        if a is None:
+            dense = tensors.get(name)
+            if dense is None or dense.shape != b.shape:
+                raise AdapterAggregateError(
+                    f"--server-state-in: {path} has no momentum of {name} {list(b.shape)}"
+                )
+            result[name] = (dense, None)
+            continue
         pb, pa = tensors.get(f"{name}.B"), tensors.get(f"{name}.A")
         if pb is None or pa is None or pb.shape[0] != b.shape[0] or pa.shape[1] != a.shape[1]:
             raise AdapterAggregateError(
@@ -485,12 +509,32 @@ def _read_momentum(state_in: Path, factors: Mapping) -> dict[str, tuple[torch.Te
                 f"({b.shape[0]} x {a.shape[1]})"
             )
         result[name] = (pb, pa)
-    unknown = sorted({key.rsplit(".", 1)[0] for key in tensors} - set(factors))
+    known = {f"{n}.{part}" for n, (_, a) in momentum.items() if a is not None for part in "AB"}
+    known |= {n for n, (_, a) in momentum.items() if a is None}
+    unknown = sorted(set(tensors) - known)
     if unknown:
         raise AdapterAggregateError(
-            f"--server-state-in: {path} holds modules this adapter lacks: {unknown[:3]}"
+            f"--server-state-in: {path} holds entries this adapter lacks: {unknown[:3]}"
         )
     return result
+
+
+def _start_whole(start: Path | None, whole: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """The round's start model's values of the tensors the adapters train whole, in fp32."""
+    from safetensors import safe_open
+
+    if start is None or not whole:
+        return None
+    wanted = {_base_key(key): key for key in whole}
+    found = {}
+    for path in weight_files(start):
+        with safe_open(str(path), "pt") as handle:
+            for name in set(handle.keys()) & set(wanted):
+                found[wanted[name]] = handle.get_tensor(name).float()
+    missing = sorted(set(whole) - set(found))
+    if missing:
+        raise AdapterAggregateError(f"--start {start}: no tensor for {[_base_key(k) for k in missing]}")
+    return found
 
 
 def _write_server_state(out: Path, optimizer: ServerOptimizerOptions, momentum) -> dict:
@@ -500,9 +544,12 @@ def _write_server_state(out: Path, optimizer: ServerOptimizerOptions, momentum) 
     if momentum is not None:
         tensors = {}
         for name, (b, a) in momentum.items():
-            tensors[f"{name}.B"], tensors[f"{name}.A"] = b.contiguous(), a.contiguous()
+            if a is None:
+                tensors[name] = b.contiguous()
+            else:
+                tensors[f"{name}.B"], tensors[f"{name}.A"] = b.contiguous(), a.contiguous()
         save_file(tensors, out / MOMENTUM_FILE, metadata={"format": "pt"})
-        record["rank"] = max(b.shape[1] for b, _ in momentum.values())
+        record["rank"] = max(b.shape[1] for b, a in momentum.values() if a is not None)
     write_json(out / STATE_RECORD, record)
     return record
 
@@ -657,14 +704,15 @@ def aggregate_adapters(
     server_optimizer: ServerOptimizerOptions | None = None,
     server_state_in: str | Path | None = None,
     server_state_out: str | Path | None = None,
+    start: str | Path | None = None,
 ) -> dict:
     """Aggregate PEFT LoRA folders (a list, or site -> folder) into the adapter folder `out_dir`; with
     `merge_into` (a base model folder) also into a full model at `merged_out` (default out_dir/merged).
     `weights`: as aggregate.weights (tokens, from `manifests`; uniform; site -> number) or one number
     per adapter; normalised here. A `server_optimizer` other than plain FedAvg (sgd or fedavgm, exact
     mode) turns the merged update into the round's step (`server_factors`), its momentum read from
-    `server_state_in` (none in the first round) and written to `server_state_out`. Returns
-    aggregate.json."""
+    `server_state_in` (none in the first round) and written to `server_state_out`; tensors the sites
+    train whole step from their values in `start`, the round's start model. Returns aggregate.json."""
     started = time.perf_counter()
     _check_arguments(mode, dtype, out_dir, merge_into, merged_out)
     optimizer = server_optimizer or ServerOptimizerOptions.from_mapping({"name": "sgd", "lr": 1.0})
@@ -690,12 +738,9 @@ def aggregate_adapters(
     tensors = [_load(a) for a in loaded]
     n_weights = [weighting["normalised"][a.site] for a in loaded]
     factors, whole, rank, scale = aggregate_factors(loaded, tensors, n_weights, mode)
-    if whole and not optimizer.plain:
-        raise AdapterAggregateError(
-            f"aggregate.server_optimizer: {optimizer.name} steps on low-rank updates; the adapters also "
-            f"train whole tensors ({sorted(whole)[:3]}), which it would not move; use sgd with lr 1"
-        )
-    factors, momentum = server_factors(factors, optimizer, Path(server_state_in) if server_state_in else None)
+    start_whole = None if optimizer.plain else _start_whole(Path(start) if start else None, whole)
+    state_path = Path(server_state_in) if server_state_in else None
+    factors, whole, momentum = server_factors(factors, optimizer, state_path, whole, start_whole)
     rank = max(b.shape[1] for b, _ in factors.values()) if mode == "exact" else rank
     config = adapter_config(ref, mode, rank)
     out_dir = Path(out_dir)
@@ -924,6 +969,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--server-state-in", default=None, metavar="DIR", help="the previous round's server state (fedavgm)"
     )
     parser.add_argument(
+        "--start", default=None, metavar="MODEL_DIR", help="the round's start model (for whole tensors' step)"
+    )
+    parser.add_argument(
         "--server-state-out", default=None, metavar="DIR", help="where this round's server state goes"
     )
     parser.add_argument(
@@ -952,6 +1000,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         server_optimizer=options.server_optimizer,
         server_state_in=args.server_state_in,
         server_state_out=args.server_state_out,
+        start=args.start,
     )
 
 

@@ -15,6 +15,7 @@ what the options need of the other arguments (a start model, a state folder, the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -307,12 +308,25 @@ def aggregate(
 
     `start` is the model the round started from: the base of the task vectors and of the server
     optimizer's step (not read when the method's weighted mean is the result: fedavg with sgd at lr 1).
-    The server optimizer's state is read from `server_state_in` (none in the first round) and written to
+    With neither state folder, fedavgm at lr 1 (the default) takes its first step, which is sgd at lr 1:
+    a one-shot merge needs no state. The server optimizer's state is read from `server_state_in` (none in the first round) and written to
     `server_state_out`. Every check (arguments, weights, compatibility) runs before the first byte is
     written; the options were checked when they were made."""
     started = time.perf_counter()
     options = options or AggregateOptions.from_mapping({})
     method = METHODS[options.method]
+    optimizer = options.server_optimizer
+    if (
+        server_state_in is None
+        and server_state_out is None
+        and optimizer.plain_first_step
+        and not optimizer.plain
+    ):
+        # A one-shot merge: fedavgm's first step (m = delta) at lr 1 is plain sgd, and no state is kept.
+        _log(f"one merge with {optimizer.name} at lr 1 and no server state: its first step, sgd at lr 1")
+        options = dataclasses.replace(
+            options, server_optimizer=ServerOptimizerOptions.from_mapping({"name": "sgd"})
+        )
     plain = method.mean and options.server_optimizer.plain
     _check_arguments(options, models, start, server_state_out, plain)
     manifests = {site: Path(p) for site, p in (manifests or {}).items()}

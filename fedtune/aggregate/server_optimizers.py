@@ -89,7 +89,7 @@ OPTIMIZERS: dict[str, ServerOptimizer] = {
     o.name: o
     for o in (
         ServerOptimizer("sgd", {"lr": 1.0}, _sgd, linear=True),
-        ServerOptimizer("fedavgm", {"lr": 1.0, "momentum": 0.9}, _fedavgm, ("m",), linear=True),
+        ServerOptimizer("fedavgm", {"lr": 1.0, "momentum": 0.5}, _fedavgm, ("m",), linear=True),
         ServerOptimizer("fedadam", _ADAPTIVE, _fedadam, ("m", "v")),
         ServerOptimizer("fedyogi", _ADAPTIVE, _fedyogi, ("m", "v")),
         ServerOptimizer("fedadagrad", _ADAPTIVE, _fedadagrad, ("m", "v")),

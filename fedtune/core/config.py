@@ -587,6 +587,12 @@ class ServerOptimizerOptions(_Options):
         """The update is the merged task vector itself (sgd at lr 1): x = start + delta."""
         return self.name == "sgd" and self.lr == 1.0
 
+    @property
+    def plain_first_step(self) -> bool:
+        """Its first round, with no state yet, is the plain step: sgd or fedavgm (m = delta) at lr 1. A
+        one-shot merge (no state read or kept) is then the plain mean."""
+        return self.name in ("sgd", "fedavgm") and self.lr == 1.0
+
 
 @dataclass(frozen=True)
 class AggregateOptions(_Options):
@@ -645,7 +651,7 @@ class AggregateOptions(_Options):
     def compared_json(self, method: str) -> str:
         """The JSON form of a compared method (aggregate.compare): the same parameters, no server
         optimizer."""
-        plain = ServerOptimizerOptions.from_mapping({})
+        plain = ServerOptimizerOptions.from_mapping({"name": "sgd", "lr": 1.0})
         return dataclasses.replace(self, method=method, server_optimizer=plain, compare=()).to_json()
 
 
@@ -943,7 +949,7 @@ def _check_adapters(
     if not aggregate.server_optimizer.plain and aggregate.adapter_merge != "exact":
         raise ConfigError(
             f"{source}: aggregate.server_optimizer: {aggregate.server_optimizer.name} with train.adapter "
-            "needs aggregate.adapter_merge: exact"
+            "needs aggregate.adapter_merge: exact (or server_optimizer sgd at lr 1 with average_factors)"
         )
     if aggregate.compare:
         raise ConfigError(f"{source}: aggregate.compare: not available with train.adapter")

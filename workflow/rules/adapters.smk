@@ -10,6 +10,8 @@ if ADAPTERS and aggregates_here():
             models=lambda wc: [site_model_dir(wc.round, site) for site in SITES],
             manifests=[manifest_path(site) for site in SITES],
             server_state=server_state_in,
+            # The round's start model: tensors the sites train whole (modules_to_save) step from it.
+            start=lambda wc: init_model_dir(wc.round),
         output:
             adapter=directory(aggregate_adapter_dir("{round}")),
             server_state=directory(server_state_dir("{round}")),
@@ -34,7 +36,7 @@ if ADAPTERS and aggregates_here():
             ),
         shell:
             "python -m fedtune.aggregate.adapters --out {output.adapter:q} --options {params.options:q}"
-            " --adapters {params.models:q} {params.state_in}"
+            " --adapters {params.models:q} {params.state_in} --start {input.start:q}"
             " --server-state-out {output.server_state:q}"
             " --manifest {params.manifests:q} > {log:q} 2>&1"
 
