@@ -137,6 +137,8 @@ def two_clusters(tmp_path, tiny_model_dir, remotes=True):
     shutil.copytree(tiny_model_dir, remote_run / "round-1" / "beta" / "model")
     (remote_run / "data" / "beta").mkdir(parents=True)
     (remote_run / "data" / "beta" / "manifest.json").write_text('{"site": "beta", "splits": {}}')
+    mark(remote_run / "round-1" / "beta" / "model")
+    mark(remote_run / "data" / "beta" / "manifest.json")
     leonardo.mkdir()
     config = demo_config(cluster="leonardo")
     config["sites"]["alpha"]["cluster"] = "leonardo"
@@ -191,7 +193,7 @@ def test_with_adapters_only_adapters_cross_and_each_cluster_merges_the_aggregate
     merge = by_rule["merge_adapter"].shell
     assert "--merge results/demo/round-1/aggregate/adapter --base results/demo/model/base" in merge
     assert "--out results/demo/round-1/aggregate/model" in merge
-    # Round 1 of beta is leonardo's input (fetched from here), not this target's.
-    (train,) = [job for job in jobs if job.name == "train"]
-    assert train.wildcards == {"round": "2", "site": "beta"}
-    assert "--init results/demo/round-1/aggregate/model" in train.shell
+    # The aggregate is waited for only after this cluster's own models of its round, which it needs.
+    trains = {job.wildcards["round"]: job for job in jobs if job.name == "train"}
+    assert sorted(trains) == ["1", "2"] and all(job.wildcards["site"] == "beta" for job in trains.values())
+    assert "--init results/demo/round-1/aggregate/model" in trains["2"].shell
