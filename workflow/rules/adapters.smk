@@ -13,6 +13,8 @@ if ADAPTERS and aggregates_here():
             directory(aggregate_adapter_dir("{round}")),
         log:
             log_path("aggregate", "round-{round}"),
+        group:
+            "round-{round}"
         conda:
             CONDA_ENV
         container:
@@ -41,6 +43,8 @@ if ADAPTERS:
             directory(aggregate_model_dir("{round}")),
         log:
             log_path("merge_adapter", "round-{round}"),
+        group:
+            "round-{round}"
         conda:
             CONDA_ENV
         container:

@@ -499,11 +499,13 @@ def tokenized_outputs():
     return shards + [manifest_path(site) for site in LOCAL_SITES]
 
 
-def get_final_output():
+def get_final_output(wildcards=None):
     """Where the models meet: the report (which needs every stage), and with evaluate.tasks the task
     scores and their report tables. Elsewhere: this cluster's sites' models of every round. Everywhere
     in a multi-cluster federation: what the other clusters need from this one, marked or sent. Plus the scaling sweep's report where its site trains.
     """
+    if wildcards is not None:  # as rule all's input function, while the DAG is built
+        announce_jobs_per_round()
     targets = tokenized_outputs() + sent_targets()
     if aggregates_here():
         targets.append(run_path("report", f"{REPORT_METRIC}.csv"))
@@ -516,15 +518,11 @@ def get_final_output():
     return targets
 
 
-def eval_task_args(site):
-    """A classifier reads its labels and sees each document cut where training cut it."""
+def eval_task_args():
+    """A classifier sees each document cut where training cut it (its label field is in --sites)."""
     if not CLASSIFICATION:
         return ""
-    label_field = RUN.sites[site].dataset["label_field"]
-    return (
-        f"--task {TASK} --label-field {shlex.quote(label_field)}"
-        f" --max-length {RUN.tokenize.block_size}"
-    )
+    return f"--task {TASK} --max-length {RUN.tokenize.block_size}"
 
 
 # Every job's shell (download, tokenize, evaluate, the downstream tasks, aggregate; training again through
@@ -537,3 +535,44 @@ if HERE is not None and CLUSTER_ENV.is_file():
 # The conda environment's torch build per cluster (envs/README.md): Iris's V100s need the CUDA 12.6 build.
 if HERE == "iris":
     CONDA_ENV = "../../envs/fedtune-cu126.yaml"
+
+
+def slurm_jobs_per_round(cluster, round):
+    """Slurm jobs of `round` on `cluster` (None: the only one): its sites' trainings, and where the models
+    meet the round's merges and evaluations, one job when the profile joins the group round-<r>. Rules
+    marked local (the transfers) run in the controller and are no Slurm jobs."""
+    trains = sum(1 for site in SITES if cluster is None or site_cluster(site) == cluster)
+    if cluster is not None and cluster != AGGREGATE_ON:
+        return trains + (1 if ADAPTERS else 0)  # merge_adapter
+    parts = (2 if ADAPTERS else 1) + len(RUN.aggregate.compare) + len(round_models(round))
+    joined = workflow.group_settings.group_components.get("round-{round}", 1) >= parts
+    return trains + (1 if joined else parts)
+
+
+def slurm_jobs_lines():
+    clusters = sorted({site_cluster(site) for site in SITES}) if HERE is not None else [None]
+    lines = []
+    for cluster in clusters:
+        counts = [slurm_jobs_per_round(cluster, r) for r in ROUNDS]
+        trains = sum(1 for s in SITES if cluster is None or site_cluster(s) == cluster)
+        rest = (
+            "merge-and-evaluate"
+            if cluster is None or cluster == AGGREGATE_ON
+            else "merge_adapter"
+        )
+        where = "" if cluster is None else f" on {cluster}"
+        lines.append(
+            f"fedtune: Slurm jobs per round{where}: {', '.join(map(str, counts))} (rounds 1-{ROUNDS[-1]}: "
+            f"{trains} training{'s' * (trains != 1)}, the rest {rest})"
+        )
+    return lines
+
+
+def announce_jobs_per_round():
+    """The dry run (and every start) with a Slurm profile (which joins the group round-<r>) or in a
+    multi-cluster federation says how many Slurm jobs each round costs on each cluster. Called while the
+    DAG is built, when the profile's group settings are known (they are not yet while this file loads)."""
+    grouped = "round-{round}" in workflow.group_settings.group_components
+    if not workflow.remote_exec and (grouped or HERE is not None):
+        for line in slurm_jobs_lines():
+            print(line, file=sys.stderr)
