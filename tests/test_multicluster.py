@@ -1,6 +1,7 @@
 """Two clusters on this machine, unattended: two run folders, two controllers started together with one
-command each, all rounds. Leonardo (site alpha) aggregates and reaches Karolina (site beta) over real SSH
-(a local sshd, tests/ssh_harness.py); Karolina logs in nowhere. The final aggregate must be bit-identical
+command each, all rounds. `leo` (site alpha; Leonardo in the published setup) aggregates and reaches
+`karo` (site beta; Karolina) over real SSH (a local sshd, tests/ssh_harness.py); karo logs in nowhere.
+(Not named leonardo and karolina: their scripts/clusters/*.sh need the real clusters' scratch.) The final aggregate must be bit-identical
 to a one-cluster run of the same config, also when a controller is killed mid-round and restarted; a
 remote that never delivers ends in the timeout error with nothing partial left."""
 
@@ -34,18 +35,18 @@ def lean_config(**extra) -> dict:
 
 def two_clusters(tmp_path: Path, config: dict, remotes: dict) -> tuple[Path, Path]:
     folders = {}
-    for cluster in ("leonardo", "karolina"):
+    for cluster in ("leo", "karo"):
         workdir = tmp_path / cluster
         workdir.mkdir()
         mine = {**config, "cluster": cluster}
         mine["sites"] = {name: dict(site) for name, site in config["sites"].items()}
-        mine["sites"]["alpha"]["cluster"] = "leonardo"
-        mine["sites"]["beta"]["cluster"] = "karolina"
-        mine["federation"] = {**config["federation"], "aggregate_on": "leonardo", "wait": "4m",
+        mine["sites"]["alpha"]["cluster"] = "leo"
+        mine["sites"]["beta"]["cluster"] = "karo"
+        mine["federation"] = {**config["federation"], "aggregate_on": "leo", "wait": "4m",
                               "remotes": remotes}  # fmt: skip
         write_config(workdir, mine)
         folders[cluster] = workdir
-    return folders["leonardo"], folders["karolina"]
+    return folders["leo"], folders["karo"]
 
 
 def start(workdir: Path, env: dict) -> subprocess.Popen:
@@ -91,16 +92,19 @@ def test_fedadam_three_rounds_with_a_controller_killed_mid_round(tmp_path, ssh):
     """Leonardo pulls beta's models from Karolina over SSH and pushes each aggregate to it; Leonardo's
     controller is killed in round 2 and started again with the same command."""
     config = lean_config()
-    karolina_run = tmp_path / "karolina" / "results" / "demo"
+    karolina_run = tmp_path / "karo" / "results" / "demo"
     leonardo, karolina = two_clusters(
-        tmp_path, config, {"karolina": {"path": f"{ssh.host}:{karolina_run}", "transfer": "push"}}
+        tmp_path, config, {"karo": {"path": f"{ssh.host}:{karolina_run}", "transfer": "push"}}
     )
     env = ssh.env()
     leo, kar = start(leonardo, env), start(karolina, env)
     # Mid-round: round 1's aggregate is there, round 2's training under way.
     deadline = time.monotonic() + 600
     while not (leonardo / "results/demo/round-1/aggregate/model").is_dir():
-        assert time.monotonic() < deadline and leo.poll() is None, (leonardo / "controller.log").read_text()
+        for process, workdir in ((leo, leonardo), (kar, karolina)):
+            assert time.monotonic() < deadline and process.poll() is None, (
+                workdir / "controller.log"
+            ).read_text()
         time.sleep(0.5)
     os.killpg(leo.pid, signal.SIGKILL)
     leo.wait()
@@ -126,10 +130,10 @@ def test_adapters_three_rounds_both_pulling(tmp_path, ssh):
     config = lean_config()
     config["train"] = {**config["train"], "adapter": {"r": 4}}
     config["aggregate"] = {"adapter_merge": "exact"}
-    leonardo_run = tmp_path / "leonardo" / "results" / "demo"
-    karolina_run = tmp_path / "karolina" / "results" / "demo"
+    leonardo_run = tmp_path / "leo" / "results" / "demo"
+    karolina_run = tmp_path / "karo" / "results" / "demo"
     leonardo, karolina = two_clusters(
-        tmp_path, config, {"karolina": f"{ssh.host}:{karolina_run}", "leonardo": str(leonardo_run)}
+        tmp_path, config, {"karo": f"{ssh.host}:{karolina_run}", "leo": str(leonardo_run)}
     )
     env = ssh.env()
     leo, kar = start(leonardo, env), start(karolina, env)
@@ -142,16 +146,16 @@ def test_adapters_three_rounds_both_pulling(tmp_path, ssh):
 
 def test_a_remote_that_never_delivers_ends_in_the_timeout_error(tmp_path):
     config = lean_config()
-    karolina_run = tmp_path / "karolina" / "results" / "demo"
-    leonardo, _ = two_clusters(tmp_path, config, {"karolina": str(karolina_run)})
+    karolina_run = tmp_path / "karo" / "results" / "demo"
+    leonardo, _ = two_clusters(tmp_path, config, {"karo": str(karolina_run)})
     text = (leonardo / "config.yaml").read_text().replace("wait: 4m", "wait: 3s")
     (leonardo / "config.yaml").write_text(text)
     result = snakemake(leonardo, "results/demo/round-1/aggregate/model", check=False)
     assert result.returncode != 0
     log = (leonardo / "results/demo/logs/fetch_manifest/beta.log").read_text()
-    assert "gave up waiting for beta's manifest from karolina" in log
-    assert "On karolina: is its controller running" in log
-    assert "[transfer] waiting for beta's manifest from karolina" in log
+    assert "gave up waiting for beta's manifest from karo" in log
+    assert "On karo: is its controller running" in log
+    assert "[transfer] waiting for beta's manifest from karo" in log
     run = leonardo / "results" / "demo"
     assert not (run / "data/beta/manifest.json").exists()
     assert not (run / "round-1/beta/model").exists()

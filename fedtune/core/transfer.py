@@ -317,7 +317,12 @@ def _wait_options(parser) -> None:
     parser.add_argument("--what", default="", help="what is waited for, for the messages")
     parser.add_argument("--check", default="", help="what to check where, when the wait ends unfulfilled")
     parser.add_argument("--poll", type=float, default=2.0, help="seconds before the first look again (2)")
-    parser.add_argument("--poll-max", type=float, default=300.0, help="most seconds between looks (300)")
+    parser.add_argument(
+        "--poll-max",
+        type=float,
+        default=None,
+        help="most seconds between looks (a hundredth of --wait, 2 to 300)",
+    )
 
 
 def _label(args) -> str:
@@ -361,7 +366,9 @@ def main(argv=None) -> int:
             write_text(args.out, marker.read_text())
         return 0
     wait = parse_duration(args.wait, "--wait") if str(args.wait).strip() not in ("0", "") else 0.0
-    common = dict(wait=wait, label=_label(args), check=args.check, first=args.poll, most=args.poll_max)
+    # Short waits look often (tests, a shared file system); long ones every 5 minutes at most.
+    most = args.poll_max if args.poll_max is not None else max(2.0, min(300.0, wait / 100))
+    common = dict(wait=wait, label=_label(args), check=args.check, first=args.poll, most=most)
     if args.command == "fetch":
         fetch(args.source, args.out, **common)
     elif args.command == "push":

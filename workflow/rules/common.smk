@@ -561,9 +561,10 @@ def slurm_jobs_lines():
             else "merge_adapter"
         )
         where = "" if cluster is None else f" on {cluster}"
+        rest = f", the rest {rest}" if max(counts) > trains else ""
         lines.append(
             f"fedtune: Slurm jobs per round{where}: {', '.join(map(str, counts))} (rounds 1-{ROUNDS[-1]}: "
-            f"{trains} training{'s' * (trains != 1)}, the rest {rest})"
+            f"{trains} training{'s' * (trains != 1)}{rest})"
         )
     return lines
 
