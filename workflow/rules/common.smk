@@ -403,14 +403,22 @@ def crossing_items():
         maker = site_cluster(site)
         if maker == AGGREGATE_ON:
             continue
-        items.append((f"data/{site}/manifest.json", maker, AGGREGATE_ON, 0, f"{site}'s manifest"))
+        items.append(
+            (f"data/{site}/manifest.json", maker, AGGREGATE_ON, 0, f"{site}'s manifest")
+        )
         items += [
             (f"round-{r}/{site}/model", maker, AGGREGATE_ON, r, f"{site}'s model")
             for r in ROUNDS
         ]
     for receiver in sorted({site_cluster(site) for site in SITES} - {AGGREGATE_ON}):
         items += [
-            (f"round-{r}/aggregate/{AGGREGATE_ITEM}", AGGREGATE_ON, receiver, r, "the aggregate")
+            (
+                f"round-{r}/aggregate/{AGGREGATE_ITEM}",
+                AGGREGATE_ON,
+                receiver,
+                r,
+                "the aggregate",
+            )
             for r in ROUNDS[:-1]
         ]
     return items
@@ -448,7 +456,7 @@ def wait_args():
 
 def receive_args(item, target):
     """The transfer CLI's command and options that bring `item` (made elsewhere) to `target` here."""
-    (maker, round, what) = next(
+    maker, round, what = next(
         (m, r, w) for i, m, rc, r, w in crossing_items() if i == item and rc == HERE
     )
     if transfer_mode(HERE) == "push":
@@ -473,7 +481,7 @@ def receive_args(item, target):
 
 def push_args(wildcards):
     """The transfer CLI's options that send `item` to the cluster `cluster`."""
-    (round, what) = next(
+    round, what = next(
         (r, w)
         for i, m, rc, r, w in crossing_items()
         if i == wildcards.item and rc == wildcards.cluster
@@ -541,16 +549,22 @@ def slurm_jobs_per_round(cluster, round):
     """Slurm jobs of `round` on `cluster` (None: the only one): its sites' trainings, and where the models
     meet the round's merges and evaluations, one job when the profile joins the group round-<r>. Rules
     marked local (the transfers) run in the controller and are no Slurm jobs."""
-    trains = sum(1 for site in SITES if cluster is None or site_cluster(site) == cluster)
+    trains = sum(
+        1 for site in SITES if cluster is None or site_cluster(site) == cluster
+    )
     if cluster is not None and cluster != AGGREGATE_ON:
         return trains + (1 if ADAPTERS else 0)  # merge_adapter
-    parts = (2 if ADAPTERS else 1) + len(RUN.aggregate.compare) + len(round_models(round))
+    parts = (
+        (2 if ADAPTERS else 1) + len(RUN.aggregate.compare) + len(round_models(round))
+    )
     joined = workflow.group_settings.group_components.get("round-{round}", 1) >= parts
     return trains + (1 if joined else parts)
 
 
 def slurm_jobs_lines():
-    clusters = sorted({site_cluster(site) for site in SITES}) if HERE is not None else [None]
+    clusters = (
+        sorted({site_cluster(site) for site in SITES}) if HERE is not None else [None]
+    )
     lines = []
     for cluster in clusters:
         counts = [slurm_jobs_per_round(cluster, r) for r in ROUNDS]
@@ -572,7 +586,8 @@ def slurm_jobs_lines():
 def announce_jobs_per_round():
     """The dry run (and every start) with a Slurm profile (which joins the group round-<r>) or in a
     multi-cluster federation says how many Slurm jobs each round costs on each cluster. Called while the
-    DAG is built, when the profile's group settings are known (they are not yet while this file loads)."""
+    DAG is built, when the profile's group settings are known (they are not yet while this file loads).
+    """
     grouped = "round-{round}" in workflow.group_settings.group_components
     if not workflow.remote_exec and (grouped or HERE is not None):
         for line in slurm_jobs_lines():

@@ -92,11 +92,11 @@ use rule evaluate_base as evaluate_round with:
         eval_outputs("round-{round}", "eval", "{model}"),
     log:
         log_path("evaluate", "round-{round}", "{model}"),
+    wildcard_constraints:
+        model="|".join(re.escape(m) for m in EVAL_MODELS),
     # With the round's merge: one Slurm job per round where the models meet (profiles' group-components).
     group:
         "round-{round}"
-    wildcard_constraints:
-        model="|".join(re.escape(m) for m in EVAL_MODELS),
     params:
         label=lambda wc: wc.model,
         round=lambda wc: wc.round,

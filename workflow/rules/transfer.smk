@@ -35,7 +35,9 @@ use rule fetch_manifest as fetch_site_model with:
     log:
         log_path("fetch_site_model", "{round}-{site}"),
     params:
-        args=lambda wc, output: receive_args(f"round-{wc.round}/{wc.site}/model", output[0]),
+        args=lambda wc, output: receive_args(
+            f"round-{wc.round}/{wc.site}/model", output[0]
+        ),
 
 
 if not aggregates_here():
@@ -46,7 +48,11 @@ if not aggregates_here():
         input:
             after=lambda wc: [site_model_dir(wc.round, site) for site in LOCAL_SITES],
         output:
-            directory(aggregate_adapter_dir("{round}") if ADAPTERS else aggregate_model_dir("{round}")),
+            directory(
+                aggregate_adapter_dir("{round}")
+                if ADAPTERS
+                else aggregate_model_dir("{round}")
+            ),
         log:
             log_path("fetch_aggregate", "{round}"),
         params:
