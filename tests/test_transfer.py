@@ -16,7 +16,7 @@ from fedtune.core import transfer
 from fedtune.core.transfer import TransferError, fetch, mark, push, receive
 
 from .ssh_harness import start_sshd, stop_sshd
-from .workflow_harness import demo_config, dry_run, job_counts, snakemake, write_config
+from .workflow_harness import demo_config, dry_run, job_counts, slurm_jobs_per_round, snakemake, write_config
 
 
 def marked(folder):
@@ -197,3 +197,33 @@ def test_with_adapters_only_adapters_cross_and_each_cluster_merges_the_aggregate
     trains = {job.wildcards["round"]: job for job in jobs if job.name == "train"}
     assert sorted(trains) == ["1", "2"] and all(job.wildcards["site"] == "beta" for job in trains.values())
     assert "--init results/demo/round-1/aggregate/model" in trains["2"].shell
+
+
+@pytest.mark.parametrize("adapters", [False, True])
+def test_the_dry_run_prints_the_slurm_jobs_per_round_it_plans(tmp_path, adapters):
+    """With a Slurm profile: S trainings + 1 merge-and-evaluate job a round where the models meet, the
+    trainings elsewhere (with adapters one merge_adapter job more there); the printed line agrees."""
+    config = demo_config(cluster="leo")
+    config["sites"]["alpha"]["cluster"] = "leo"
+    config["sites"]["beta"]["cluster"] = "karo"
+    config["federation"] = {
+        "rounds": 3,
+        "aggregate_on": "leo",
+        "remotes": {"karo": "me@karo:/run", "leo": "me@leo:/run"},
+    }
+    config["evaluate"] = {**config["evaluate"], "intermediate": "all"}
+    if adapters:
+        config["train"] = {**config["train"], "adapter": {"r": 4}}
+        config["aggregate"] = {"adapter_merge": "exact"}
+    else:
+        config["aggregate"] = {**config["aggregate"], "compare": ["ties"]}
+    # With adapters, karo merges each aggregate adapter it trains the next round from (not the last one).
+    expected = {"leo": [2, 2, 2], "karo": [2, 2, 1] if adapters else [1, 1, 1]}
+    for cluster, jobs in expected.items():
+        workdir = tmp_path / cluster
+        workdir.mkdir()
+        write_config(workdir, {**config, "cluster": cluster})
+        result = snakemake(workdir, "-n", profile="slurm-local", timeout=300)
+        assert slurm_jobs_per_round(result.stdout) == dict(enumerate(jobs, start=1)), cluster
+        for name, counts in expected.items():
+            assert f"fedtune: Slurm jobs per round on {name}: {', '.join(map(str, counts))} " in result.stderr

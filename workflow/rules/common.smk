@@ -553,7 +553,8 @@ def slurm_jobs_per_round(cluster, round):
         1 for site in SITES if cluster is None or site_cluster(site) == cluster
     )
     if cluster is not None and cluster != AGGREGATE_ON:
-        return trains + (1 if ADAPTERS else 0)  # merge_adapter
+        # merge_adapter, for the next round's start
+        return trains + (1 if ADAPTERS and round < ROUNDS[-1] else 0)
     parts = (
         (2 if ADAPTERS else 1) + len(RUN.aggregate.compare) + len(round_models(round))
     )
