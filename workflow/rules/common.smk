@@ -292,6 +292,32 @@ def round_model_dir(round, model):
     return compare_model_dir(round, model)
 
 
+def eval_outputs(*folder):
+    """One result per site, in `folder` (which may hold wildcards)."""
+    return [run_path(*folder, f"{site}.json") for site in SITES]
+
+
+def eval_sites(wildcards, output):
+    """--sites: each site's test data, its fields and template, and where its result goes."""
+    return to_json(
+        [
+            {
+                "site": site,
+                "data": raw_data_dir(site),
+                "out": out,
+                "text_field": RUN.sites[site].dataset["text_field"],
+                "template": RUN.sites[site].prompt_template,
+                **(
+                    {"label_field": RUN.sites[site].dataset["label_field"]}
+                    if CLASSIFICATION
+                    else {}
+                ),
+            }
+            for site, out in zip(SITES, output)
+        ]
+    )
+
+
 def pooled_eval(site):
     return run_path("pooled", "eval", f"{site}.json")
 

@@ -26,32 +26,6 @@ EVAL_SHELL = (
 )
 
 
-def eval_outputs(*folder):
-    """One result per site, in `folder` (which may hold wildcards)."""
-    return [run_path(*folder, f"{site}.json") for site in SITES]
-
-
-def eval_sites(wildcards, output):
-    """--sites: each site's test data, its fields and template, and where its result goes."""
-    return to_json(
-        [
-            {
-                "site": site,
-                "data": raw_data_dir(site),
-                "out": out,
-                "text_field": RUN.sites[site].dataset["text_field"],
-                "template": RUN.sites[site].prompt_template,
-                **(
-                    {"label_field": RUN.sites[site].dataset["label_field"]}
-                    if CLASSIFICATION
-                    else {}
-                ),
-            }
-            for site, out in zip(SITES, output)
-        ]
-    )
-
-
 rule evaluate_base:
     input:
         model=base_model_dir(),
