@@ -23,11 +23,11 @@ ROUNDS = 3
 
 
 def lean_config(**extra) -> dict:
-    """The demo, small: 3 rounds of 3 steps, one shard, the last round evaluated on 40 documents."""
+    """The demo, small: 3 rounds of 3 steps, one shard, the last round evaluated on 10 documents."""
     config = demo_config()
     config["tokenize"] = {**config["tokenize"], "shards": 1}
     config["train"] = {**config["train"], "max_steps": 3, "warmup_steps": 1}
-    config["evaluate"] = {**config["evaluate"], "intermediate": "none", "max_documents": 40}
+    config["evaluate"] = {**config["evaluate"], "intermediate": "none", "max_documents": 10}
     config["federation"] = {"rounds": ROUNDS, "pooled_baseline": False}
     config.update(extra)
     return config
