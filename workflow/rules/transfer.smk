@@ -14,6 +14,9 @@ rule fetch_manifest:
     wildcard_constraints:
         site=one_of(REMOTE_SITES),
     localrule: True
+    # No core held: a transfer mostly waits (for days, maybe), and must not keep the jobs that the other
+    # cluster waits for in turn from starting. Its checksums take a core for a minute at the end.
+    threads: 0
     conda:
         CONDA_ENV
     container:
@@ -24,9 +27,8 @@ rule fetch_manifest:
         f"{TRANSFER} {{params.args}} 2>&1 | tee {{log:q}}"
 
 
-# A waiting job holds a core: it starts only once what it waits for can exist, here once the round's start
-# model is (a site's model of round r comes from round r-1's aggregate), so that waits never crowd out
-# the jobs that the other cluster waits for in turn.
+# A waiting job starts only once what it waits for can exist, here once the round's start model is (a
+# site's model of round r comes from round r-1's aggregate): no R jobs polling from the first minute.
 use rule fetch_manifest as fetch_site_model with:
     input:
         after=lambda wc: init_model_dir(wc.round),
@@ -93,6 +95,7 @@ rule push:
         item=CROSSING_ITEM,
         cluster=one_of(PUSH_TO),
     localrule: True
+    threads: 0
     conda:
         CONDA_ENV
     container:
