@@ -14,13 +14,13 @@ rule fetch_manifest:
     wildcard_constraints:
         site=one_of(REMOTE_SITES),
     localrule: True
-    # No core held: a transfer mostly waits (for days, maybe), and must not keep the jobs that the other
-    # cluster waits for in turn from starting. Its checksums take a core for a minute at the end.
-    threads: 0
     conda:
         CONDA_ENV
     container:
         CONTAINER
+    # No core held: a transfer mostly waits (for days, maybe), and must not keep the jobs that the other
+    # cluster waits for in turn from starting. Its checksums take a core for a minute at the end.
+    threads: 0
     params:
         args=lambda wc, output: receive_args(f"data/{wc.site}/manifest.json", output[0]),
     shell:
@@ -95,11 +95,11 @@ rule push:
         item=CROSSING_ITEM,
         cluster=one_of(PUSH_TO),
     localrule: True
-    threads: 0
     conda:
         CONDA_ENV
     container:
         CONTAINER
+    threads: 0
     params:
         args=push_args,
     shell:
