@@ -29,4 +29,5 @@ include: "workflow/rules/report.smk"
 rule all:
     default_target: True
     input:
-        get_final_output(),
+        # A function: called while the DAG is built, it also prints the Slurm jobs per round.
+        get_final_output,

@@ -44,9 +44,11 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     # CI runs as root with Slurm installable: a Slurm test that skips there has not tested anything.
-    if report.skipped and item.get_closest_marker("slurm") and os.environ.get("CI") == "true":
+    # The same for the tests that need a local sshd (tests/ssh_harness.py): CI can install one.
+    needs = item.get_closest_marker("slurm") or item.get_closest_marker("sshd")
+    if report.skipped and needs and os.environ.get("CI") == "true":
         report.outcome = "failed"
-        report.longrepr = f"Slurm test skipped in CI, which must run it: {report.longrepr}"
+        report.longrepr = f"{needs.name} test skipped in CI, which must run it: {report.longrepr}"
 
 
 def corpus(n: int = 400) -> list[str]:

@@ -175,6 +175,12 @@ BAD = [
     ("weights summing to zero", edit("aggregate.weights", {"alpha": 0, "beta": 0}), "sum to zero"),
     ("weights naming an unknown site", edit("aggregate.weights", {"alpha": 1, "gamma": 1}), "gamma"),
     ("zero rounds", edit("federation.rounds", 0), "federation.rounds"),
+    ("a wait that is no duration", edit("federation.wait", "3 weeks"), "federation.wait"),
+    (
+        "an unknown transfer mode",
+        edit("federation.remotes", {"karolina": {"path": "me@k:/run", "transfer": "pigeon"}}),
+        "federation.remotes.karolina",
+    ),
     ("no sites", edit("sites", {}), "sites"),
     (
         "classification without num_labels",
@@ -242,3 +248,22 @@ def test_run_config_hands_out_each_sites_merged_options():
         and run.rounds == config["federation"]["rounds"]
     )
     assert run.evaluate.max_length == config["evaluate"]["max_length"]
+
+
+def test_remotes_and_the_wait_become_objects():
+    """federation.remotes.<c>: a plain path is pulled; {path, transfer: push} is sent to. federation.wait:
+    seconds or a number with a unit, 3 days by default."""
+    from fedtune.core.config import Remote, build_run_config
+
+    config = demo()
+    run = build_run_config(config, base_dir=ROOT)
+    assert run.wait_s == 3 * 86400 and run.remotes == {}
+    config["federation"] = {
+        "wait": "90m",
+        "remotes": {"leonardo": "me@leo:/run", "karolina": {"path": "me@karo:/run", "transfer": "push"}},
+    }
+    run = build_run_config(config, base_dir=ROOT)
+    assert run.wait_s == 5400
+    assert run.remotes == {"leonardo": Remote("me@leo:/run"), "karolina": Remote("me@karo:/run", "push")}
+    config["federation"]["wait"] = 45
+    assert build_run_config(config, base_dir=ROOT).wait_s == 45

@@ -174,6 +174,34 @@ def test_cli_writes_result(tiny_model_dir, raw_data, tmp_path, monkeypatch):
     assert main([*argv[:-1], str(tmp_path / "bad.json"), "--split", "nope"]) == 2
 
 
+def test_one_load_scores_every_site_as_separate_runs_do(tiny_model_dir, raw_data, tmp_path, monkeypatch):
+    """--sites: the workflow's one job per model; each site's result is what a run of its own gives."""
+    from fedtune.core.offline import OFFLINE_VARIABLES
+    from fedtune.evaluate import scores
+    from fedtune.evaluate.scores import main
+
+    for name in OFFLINE_VARIABLES:
+        monkeypatch.setenv(name, "0")
+    data, _ = raw_data
+    common = ["--model", str(tiny_model_dir), "--max-length", "32", "--label", "aggregate", "--round", "1"]
+    assert main([*common, "--data", str(data), "--site", "alpha", "--template", TEMPLATE,
+                 "--out", str(tmp_path / "alone.json")]) == 0  # fmt: skip
+    loads = []
+    real_load = scores.load
+    monkeypatch.setattr(scores, "load", lambda *a, **k: loads.append(a) or real_load(*a, **k))
+    sites = [
+        {"site": "alpha", "data": str(data), "template": TEMPLATE, "out": str(tmp_path / "a" / "alpha.json")},
+        {"site": "beta", "data": str(data), "out": str(tmp_path / "a" / "beta.json")},
+    ]
+    assert main([*common, "--sites", json.dumps(sites)]) == 0
+    assert len(loads) == 1
+    alone, together = (json.loads((tmp_path / p).read_text()) for p in ("alone.json", "a/alpha.json"))
+    assert together["perplexity"] == alone["perplexity"] and together["site"] == "alpha"
+    beta = json.loads((tmp_path / "a" / "beta.json").read_text())
+    assert beta["site"] == "beta" and beta["template"] == "{text}"
+    assert main([*common, "--sites", '[{"site": "x"}]']) == 2  # data and out missing: named
+
+
 @pytest.mark.skipif(
     importlib.util.find_spec("tensorboard") is None,
     reason="tensorboard missing: pip install -e '.[tracking]'",

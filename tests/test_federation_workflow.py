@@ -39,8 +39,8 @@ def test_each_round_tells_train_where_it_is_and_the_pooled_model_gets_the_federa
     assert f'"max_steps":{2 * 3 * steps}' in pooled.shell
     assert "--round" not in pooled.shell and "model/base" in pooled.shell.split("--init ")[1].split()[0]
     evaluated = Counter(job.name for job in jobs if job.name.startswith("evaluate"))
-    # Rounds 1 and 2: the aggregate on 2 sites; round 3: 3 models on 2 sites; pooled and base: 2 each.
-    assert evaluated == {"evaluate_round": 2 * 2 + 6, "evaluate_pooled": 2, "evaluate_base": 2}
+    # One job per model, every site's test split in it: rounds 1 and 2 the aggregate; round 3 its 3 models.
+    assert evaluated == {"evaluate_round": 2 + 3, "evaluate_pooled": 1, "evaluate_base": 1}
 
 
 def test_kept_site_optimizers_pass_from_round_to_round(tmp_path):

@@ -20,7 +20,16 @@ from snakemake_executor_plugin_slurm.submit_string import get_submit_command
 from snakemake_executor_plugin_slurm.utils import set_gres_string
 from snakemake_executor_plugin_slurm.validation import validate_slurm_extra
 
-from .workflow_harness import ROOT, VENV_BIN, PlannedJob, demo_config, planned_jobs, snakemake, write_config
+from .workflow_harness import (
+    ROOT,
+    VENV_BIN,
+    PlannedJob,
+    demo_config,
+    planned_jobs,
+    slurm_jobs_per_round,
+    snakemake,
+    write_config,
+)
 
 CLUSTERS = {
     # cluster: CPU partition (tokenize), GPU partition (train, evaluate), GPUs and cores per node, the
@@ -343,7 +352,8 @@ def test_karolina_runs_tokenize_jobs_eight_to_a_node(account, tmp_path):
     assert groups["karolina"] == [8] * 16, groups["karolina"]
     assert groups["leonardo"] == [], groups["leonardo"]
     settings = profile_settings("karolina")
-    assert settings["groups"] == {"tokenize": "tokenize"} and settings["group-components"] == {"tokenize": 8}
+    assert settings["groups"] == {"tokenize": "tokenize"}
+    assert settings["group-components"] == {"tokenize": 8, "round-{round}": 1000}
     assert settings["set-resources"]["tokenize"]["cpus_per_task"] * 8 == 128
 
 
@@ -477,3 +487,20 @@ def test_jobs_other_than_training_keep_their_caches_on_the_clusters_scratch(tmp_
     assert result.returncode == 0, result.stderr[-3000:]
     assert (scratch / "fedtune" / "hf-home" / "datasets").is_dir(), list(scratch.rglob("*"))[:20]
     assert not (home / ".cache" / "huggingface").exists(), list(home.rglob("*"))[:20]
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS)
+def test_a_round_costs_one_training_per_site_and_one_merge_and_evaluate_job(cluster, account, tmp_path):
+    """Each cluster profile joins a round's merges and evaluations (the group round-<r>) into one Slurm
+    job, whose parts ask for the same partition and GPU; the dry run prints the count."""
+    cpu_partition, gpu_partition, gpus, cores, launcher, gpu_extra = CLUSTERS[cluster]
+    cluster_demo(tmp_path, cluster, {"gpus_per_node": 1, "processes_per_node": 1}, intermediate="all")
+    config = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    config["federation"] = {"rounds": 2}
+    config["aggregate"] = {"compare": ["ties"]}
+    write_config(tmp_path, config)
+    result = snakemake(tmp_path, "-n", profile=cluster, timeout=300)
+    assert slurm_jobs_per_round(result.stdout) == {1: 3, 2: 3}
+    assert f"fedtune: Slurm jobs per round on {cluster}: 3, 3 " in result.stderr
+    grouped = [job for job in planned_jobs(result.stdout) if job.name in ("aggregate", "evaluate_round")]
+    assert {job.resources.get("slurm_partition") for job in grouped} == {gpu_partition}

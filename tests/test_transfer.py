@@ -5,59 +5,129 @@ command to run where."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 
-from fedtune.core.transfer import TransferError, fetch
+from fedtune.core import transfer
+from fedtune.core.transfer import TransferError, fetch, mark, push, receive
 
-from .workflow_harness import demo_config, dry_run, job_counts, snakemake, write_config
+from .ssh_harness import start_sshd, stop_sshd
+from .workflow_harness import demo_config, dry_run, job_counts, slurm_jobs_per_round, snakemake, write_config
 
 
-def test_fetch_copies_a_model_folder_completely(tiny_model_dir, tmp_path):
-    out = fetch(str(tiny_model_dir), tmp_path / "copy")
-    for path in tiny_model_dir.iterdir():
+def marked(folder):
+    mark(folder)
+    return folder
+
+
+def test_a_marked_folder_is_fetched_and_every_file_verified(tiny_model_dir, tmp_path):
+    source = tmp_path / "there" / "model"
+    shutil.copytree(tiny_model_dir, source)
+    marker = mark(source)
+    assert marker.name == "model.COMPLETE"
+    # sha256sum's own format: `sha256sum -c` in the parent folder checks it.
+    check = subprocess.run(["sha256sum", "-c", marker.name], cwd=source.parent, capture_output=True)
+    assert check.returncode == 0, check.stderr
+    out = fetch(str(source), tmp_path / "here" / "model")
+    for path in source.iterdir():
         assert (out / path.name).read_bytes() == path.read_bytes()
 
 
-def test_fetch_copies_an_adapter_folder(tmp_path):
-    # What a site sends with train.adapter: a PEFT folder, no config.json.
-    adapter = tmp_path / "adapter"
-    adapter.mkdir()
-    (adapter / "adapter_config.json").write_text('{"r": 4}')
-    (adapter / "adapter_model.safetensors").write_bytes(b"\x08" + b"\x00" * 7 + b"{}      ")
-    (adapter / "training.json").write_text("{}")
-    out = fetch(str(adapter), tmp_path / "copy")
-    assert sorted(p.name for p in out.iterdir()) == [
-        "adapter_config.json",
-        "adapter_model.safetensors",
-        "training.json",
-    ]
-    (tmp_path / "half").mkdir()
-    (tmp_path / "half" / "adapter_config.json").write_text('{"r": 4}')
-    with pytest.raises(TransferError, match="not a complete model or adapter folder"):
-        fetch(str(tmp_path / "half"), tmp_path / "copy2")
+def test_a_fetch_waits_for_the_marker_and_times_out_naming_remote_round_and_what_to_check(tmp_path, capfd):
+    source = tmp_path / "there" / "model"
+    source.mkdir(parents=True)
+    (source / "config.json").write_text("{}")  # there, but not marked complete: still being written
+    out = tmp_path / "here" / "model"
+    with pytest.raises(TransferError) as error:
+        fetch(str(source), out, wait=1.5, label="beta's model of round 2 from karolina",
+              check="On karolina: is its controller running?", first=0.2, most=0.5)  # fmt: skip
+    message = str(error.value)
+    assert "beta's model of round 2 from karolina" in message and "On karolina: is its controller" in message
+    assert "model.COMPLETE never appeared" in message
+    progress = capfd.readouterr().err
+    assert "[transfer] waiting for beta's model of round 2 from karolina: 0 s of 1 s waited" in progress
+    assert not out.exists() and not list(out.parent.iterdir())  # nothing partial left
 
 
-def test_fetch_refuses_a_missing_or_incomplete_source(tmp_path):
-    with pytest.raises(TransferError, match="rsync exit .*run this there"):
-        fetch(str(tmp_path / "absent"), tmp_path / "out", hint="run this there")
-    partial = tmp_path / "partial"
-    partial.mkdir()
-    (partial / "config.json").write_text("{}")
-    with pytest.raises(
-        TransferError, match="not a complete model or adapter folder.*may still be in training"
-    ):
-        fetch(str(partial), tmp_path / "out")
-    assert not (tmp_path / "out").exists()
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+def test_a_copy_that_fails_verification_is_deleted_and_fetched_again(tmp_path, monkeypatch):
+    source = tmp_path / "there" / "model"
+    source.mkdir(parents=True)
+    (source / "weights.bin").write_bytes(b"good")
+    mark(source)
+    real = transfer._rsync
+    copies = []
+
+    def corrupting(*args, **kwargs):
+        result = real(*args, **kwargs)
+        destination = Path(args[-1])
+        if destination.is_dir():
+            if not copies:  # the first copy of the folder arrives damaged
+                (destination / "weights.bin").write_bytes(b"bad!")
+            copies.append(destination)
+        return result
+
+    monkeypatch.setattr(transfer, "_rsync", corrupting)
+    out = fetch(str(source), tmp_path / "here" / "model")
+    assert (out / "weights.bin").read_bytes() == b"good"
+    assert len(copies) == 2
+    # A copy that never verifies: deleted, and the error says so.
+    (source / "weights.bin").write_bytes(b"changed after marking")
+    with pytest.raises(TransferError, match="failed verification 3 times.*sha256 differs"):
+        fetch(str(source), tmp_path / "again" / "model")
+    assert not (tmp_path / "again" / "model").exists()
 
 
-def test_fetch_a_single_file(tmp_path):
+def test_a_file_is_marked_and_fetched(tmp_path):
     source = tmp_path / "manifest.json"
     source.write_text('{"site": "beta"}')
+    mark(source)
     fetch(str(source), tmp_path / "here" / "manifest.json")
     assert json.loads((tmp_path / "here" / "manifest.json").read_text()) == {"site": "beta"}
+
+
+@pytest.mark.sshd
+def test_push_over_ssh_into_the_inbox_then_receive(tiny_model_dir, tmp_path):
+    """The aggregating cluster sends; the receiver waits for local files only. Over a real sshd."""
+    server = start_sshd(tmp_path / "sshd")
+    try:
+        here, there = tmp_path / "leonardo" / "run", tmp_path / "karolina" / "run"
+        shutil.copytree(tiny_model_dir, here / "round-1" / "aggregate" / "model")
+        there.mkdir(parents=True)
+        monkey_env = dict(os.environ)
+        os.environ["RSYNC_RSH"] = server.rsync_rsh
+        try:
+            push(here, "round-1/aggregate/model", f"{server.host}:{there}")
+            # Over ssh too: the other direction, a pull of the marked original.
+            mark(here / "round-1" / "aggregate" / "model")
+            pulled = fetch(f"{server.host}:{here}/round-1/aggregate/model", tmp_path / "pulled" / "model")
+        finally:
+            os.environ.clear()
+            os.environ.update(monkey_env)
+        assert (there / "inbox" / "round-1" / "aggregate" / "model.COMPLETE").is_file()
+        out = receive(there, "round-1/aggregate/model", there / "round-1" / "aggregate" / "model")
+        for path in tiny_model_dir.iterdir():
+            assert (out / path.name).read_bytes() == path.read_bytes()
+            assert (pulled / path.name).read_bytes() == path.read_bytes()
+        assert not list((there / "inbox" / "round-1" / "aggregate").iterdir())
+    finally:
+        stop_sshd(server)
+
+
+def test_receive_deletes_a_copy_that_fails_verification_and_times_out(tmp_path):
+    run = tmp_path / "run"
+    staged = run / "inbox" / "data" / "beta" / "manifest.json"
+    staged.parent.mkdir(parents=True)
+    staged.write_text("{}")
+    mark(staged)
+    staged.write_text('{"changed": 1}')
+    with pytest.raises(TransferError, match="never appeared.*failed verification"):
+        receive(run, "data/beta/manifest.json", run / "data" / "beta" / "manifest.json", wait=0.5,
+                first=0.1, most=0.1)  # fmt: skip
+    assert not staged.exists() and not (run / "data" / "beta" / "manifest.json").exists()
 
 
 def two_clusters(tmp_path, tiny_model_dir, remotes=True):
@@ -67,6 +137,8 @@ def two_clusters(tmp_path, tiny_model_dir, remotes=True):
     shutil.copytree(tiny_model_dir, remote_run / "round-1" / "beta" / "model")
     (remote_run / "data" / "beta").mkdir(parents=True)
     (remote_run / "data" / "beta" / "manifest.json").write_text('{"site": "beta", "splits": {}}')
+    mark(remote_run / "round-1" / "beta" / "model")
+    mark(remote_run / "data" / "beta" / "manifest.json")
     leonardo.mkdir()
     config = demo_config(cluster="leonardo")
     config["sites"]["alpha"]["cluster"] = "leonardo"
@@ -121,7 +193,37 @@ def test_with_adapters_only_adapters_cross_and_each_cluster_merges_the_aggregate
     merge = by_rule["merge_adapter"].shell
     assert "--merge results/demo/round-1/aggregate/adapter --base results/demo/model/base" in merge
     assert "--out results/demo/round-1/aggregate/model" in merge
-    # Round 1 of beta is leonardo's input (fetched from here), not this target's.
-    (train,) = [job for job in jobs if job.name == "train"]
-    assert train.wildcards == {"round": "2", "site": "beta"}
-    assert "--init results/demo/round-1/aggregate/model" in train.shell
+    # The aggregate is waited for only after this cluster's own models of its round, which it needs.
+    trains = {job.wildcards["round"]: job for job in jobs if job.name == "train"}
+    assert sorted(trains) == ["1", "2"] and all(job.wildcards["site"] == "beta" for job in trains.values())
+    assert "--init results/demo/round-1/aggregate/model" in trains["2"].shell
+
+
+@pytest.mark.parametrize("adapters", [False, True])
+def test_the_dry_run_prints_the_slurm_jobs_per_round_it_plans(tmp_path, adapters):
+    """With a Slurm profile: S trainings + 1 merge-and-evaluate job a round where the models meet, the
+    trainings elsewhere (with adapters one merge_adapter job more there); the printed line agrees."""
+    config = demo_config(cluster="leo")
+    config["sites"]["alpha"]["cluster"] = "leo"
+    config["sites"]["beta"]["cluster"] = "karo"
+    config["federation"] = {
+        "rounds": 3,
+        "aggregate_on": "leo",
+        "remotes": {"karo": "me@karo:/run", "leo": "me@leo:/run"},
+    }
+    config["evaluate"] = {**config["evaluate"], "intermediate": "all"}
+    if adapters:
+        config["train"] = {**config["train"], "adapter": {"r": 4}}
+        config["aggregate"] = {"adapter_merge": "exact"}
+    else:
+        config["aggregate"] = {**config["aggregate"], "compare": ["ties"]}
+    # With adapters, karo merges each aggregate adapter it trains the next round from (not the last one).
+    expected = {"leo": [2, 2, 2], "karo": [2, 2, 1] if adapters else [1, 1, 1]}
+    for cluster, jobs in expected.items():
+        workdir = tmp_path / cluster
+        workdir.mkdir()
+        write_config(workdir, {**config, "cluster": cluster})
+        result = snakemake(workdir, "-n", profile="slurm-local", timeout=300)
+        assert slurm_jobs_per_round(result.stdout) == dict(enumerate(jobs, start=1)), cluster
+        for name, counts in expected.items():
+            assert f"fedtune: Slurm jobs per round on {name}: {', '.join(map(str, counts))} " in result.stderr

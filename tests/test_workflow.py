@@ -91,8 +91,8 @@ def test_two_rounds_unroll_in_the_dag(tmp_path):
     jobs = dry_run(tmp_path)
     counts = Counter(job.name for job in jobs)
     assert counts["train"] == 4 and counts["aggregate"] == 2 and counts["report"] == 1
-    assert counts["evaluate_base"] == 2
-    assert counts["evaluate_round"] == 2 * 3 * 2  # rounds x (2 site models + aggregate) x 2 test sets
+    assert counts["evaluate_base"] == 1  # one job per model, scoring both test sets
+    assert counts["evaluate_round"] == 2 * 3  # rounds x (2 site models + aggregate)
     # Round 2 starts from round 1's aggregate, round 1 from the base model.
     train_inputs = {job.shell.split("--init ")[1].split()[0] for job in jobs if job.name == "train"}
     assert train_inputs == {"results/demo/model/base", "results/demo/round-1/aggregate/model"}

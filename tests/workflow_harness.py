@@ -116,3 +116,26 @@ def dry_run(workdir: Path, *args: str, **kwargs) -> list[PlannedJob]:
 def job_counts(output: str) -> dict[str, int]:
     """Jobs per rule in a dry run's output (made with --printshellcmds)."""
     return dict(Counter(job.name for job in planned_jobs(output)))
+
+
+# Rules the workflow marks local (the transfers): a dry run with a Slurm profile lists them as `rule`.
+TRANSFER_RULES = ("fetch_site_model", "fetch_manifest", "fetch_aggregate", "mark_complete", "push")
+
+
+def slurm_jobs_per_round(output: str) -> dict[int, int]:
+    """Slurm jobs per round in a dry run's output with a Slurm profile: a group job round-<r> counts once,
+    a job of another rule with a round wildcard once, outside a group (the transfers are local)."""
+    counts: Counter = Counter()
+    rule, in_group = None, False
+    for line in output.splitlines():
+        if match := re.search(r"Group job round-(\d+) ", line):
+            counts[int(match.group(1))] += 1
+            in_group = True
+        elif match := re.match(r"^(?:local)?rule (\w+):$", line):
+            rule, in_group = match.group(1), False
+        elif (match := re.match(r"^\s+wildcards: (.*)$", line)) and rule and not in_group:
+            wildcards = dict(item.split("=", 1) for item in match.group(1).split(", "))
+            if "round" in wildcards and rule not in TRANSFER_RULES:
+                counts[int(wildcards["round"])] += 1
+            rule = None
+    return dict(sorted(counts.items()))

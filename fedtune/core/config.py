@@ -10,6 +10,7 @@ block that must fit the model, sweep points), and hands the stages typed, frozen
                      AdapterOptions for train.adapter
     AggregateOptions the aggregate section with ServerOptimizerOptions and the merged model's dtype
     EvaluateOptions, SweepPoint, DownstreamTask (an entry of evaluate.tasks: a task YAML or a registry name)
+    Remote           an entry of federation.remotes: a cluster's run folder and how files reach it
 
 Each options object has one JSON form (`to_json()` / `from_json()`), the rule -> CLI boundary: a rule
 passes `--options '<json>'`, the CLI turns it back into the same object through the same checks.
@@ -795,6 +796,37 @@ class Site:
 
 
 @dataclass(frozen=True)
+class Remote:
+    """federation.remotes.<cluster>: its run folder as rsync names it, and how the files it needs from
+    the other clusters reach it (pull: it fetches them; push: their makers send them into its inbox)."""
+
+    path: str
+    transfer: str = "pull"
+
+
+DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(value, key: str) -> float:
+    """Seconds of a duration as the config writes it: 3600, "90m", "3d"."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([smhd]?)\s*", str(value))
+    if match is None or float(match.group(1)) <= 0:
+        raise ConfigError(
+            f"{key}: {value!r} is no duration (a number of seconds, or with unit s, m, h, d: '3d')"
+        )
+    return float(match.group(1)) * DURATION_UNITS[match.group(2) or "s"]
+
+
+def _remotes(federation: Mapping) -> dict[str, Remote]:
+    return {
+        cluster: Remote(entry)
+        if isinstance(entry, str)
+        else Remote(entry["path"], entry.get("transfer", "pull"))
+        for cluster, entry in federation["remotes"].items()
+    }
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """A whole validated config. `raw` is the dict with every default filled in (for the sections a
     stage passes on as they are, such as a dataset spec)."""
@@ -815,7 +847,8 @@ class RunConfig:
     site_optimizer: str
     pooled: TrainOptions | None
     aggregate_on: str
-    remotes: dict
+    remotes: dict[str, Remote]
+    wait_s: float
     sweep_site: str | None
     sweep_axis: str | None
     sweep: tuple[SweepPoint, ...]
@@ -1056,7 +1089,8 @@ def build_run_config(config: dict, *, source: str = "config", base_dir: Path | N
         site_optimizer=federation["site_optimizer"],
         pooled=pooled,
         aggregate_on=federation["aggregate_on"] or next(iter(sites.values())).cluster,
-        remotes=federation["remotes"],
+        remotes=_remotes(federation),
+        wait_s=parse_duration(federation["wait"], f"{source}: federation.wait"),
         sweep_site=sweep_site,
         sweep_axis=sweep["axis"] if sweep else None,
         sweep=points,

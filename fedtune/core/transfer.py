@@ -1,78 +1,382 @@
-"""transfer: bring a model or manifest made on another cluster into this run's folder, with rsync.
+"""transfer: models and manifests cross between clusters with rsync, unattended (README, "Multi-cluster
+federation").
 
-    python -m fedtune.core.transfer --source user@host:/path/results/<run>/round-1/beta/model \\
-        --out results/<run>/round-1/beta/model --hint "on karolina: snakemake --profile profiles/karolina ..."
+    python -m fedtune.core.transfer mark --path results/<run>/round-1/beta/model
+    python -m fedtune.core.transfer fetch --source user@host:/path/results/<run>/round-1/beta/model \\
+        --out results/<run>/round-1/beta/model --wait 3d --remote karolina --round 1 --what "beta's model"
+    python -m fedtune.core.transfer push --run results/<run> --item round-1/aggregate/model \\
+        --to user@host:/path/results/<run> --wait 3d --remote karolina --round 1 --what "the aggregate"
+    python -m fedtune.core.transfer receive --run results/<run> --item round-1/aggregate/model --wait 3d ...
 
-The copy lands under a temporary name and is renamed once complete and checked, so an interrupted
-transfer is never taken for a model. `--hint` is what the error tells the user to run where, when the
-source is not there (yet)."""
+A folder (or file) is complete when its maker says so: `mark` writes `<name>.COMPLETE` beside it, after
+the folder's atomic rename, with the sha256 of each of its files (sha256sum's format: `sha256sum -c` in
+the parent folder checks it). Nothing without that marker is taken.
+
+- fetch (the receiver logs in): waits until the source's marker is there, polling with backoff up to
+  --wait, copies the folder under a temporary name, verifies every file against the marker and renames
+  the copy into place. A copy that fails verification is deleted and fetched again.
+- push (the maker logs in): copies the item into the receiver's run folder, under inbox/, has rsync
+  compare every file by checksum (sending again what differs), and sends the marker last. It waits (with
+  backoff) while the receiver's run folder cannot be reached.
+- receive (the receiver of a push): waits for the marker in its own inbox, verifies, and moves the item
+  into place. A copy that fails verification is deleted; the wait goes on for the next push.
+
+While waiting each prints a line naming the remote, the round, what it waits for and how long it has
+waited; at --wait it fails with what to check where, and leaves nothing partial behind."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from fedtune.core import cli
-from fedtune.core.atomic import atomic_dir
-from fedtune.core.config import UserError
+from fedtune.core.atomic import atomic_dir, remove_stale, write_text
+from fedtune.core.checksums import sha256_file
+from fedtune.core.config import UserError, parse_duration
+
+MARKER = ".COMPLETE"
+INBOX = "inbox"
+# Exit codes of rsync that mean "the source is not there (yet)": 23 partial transfer (a missing file),
+# 24 vanished source files. Everything else (255: ssh could not connect) is retried as well, and named.
+NOT_THERE = {23, 24}
+ATTEMPTS = 3
 
 
 class TransferError(UserError):
-    """A transfer that failed or brought something incomplete: the message says what to run where."""
+    """A transfer that failed or timed out: the message names the remote, the round and what to check."""
 
 
-def _rsync(rsync: str, source: str, dest: str, hint: str, *options: str) -> None:
-    result = subprocess.run([rsync, *options, source, dest], capture_output=True, text=True)
-    if result.returncode != 0:
-        said = " | ".join(line for line in result.stderr.splitlines() if line.strip())
-        raise TransferError(f"could not fetch {source} (rsync exit {result.returncode}: {said}). {hint}")
+def marker_path(path: str | Path) -> Path:
+    path = Path(path)
+    return path.with_name(path.name + MARKER)
 
 
-def _check_complete(path: Path, source: str, hint: str) -> None:
-    if path.is_file():
-        return
-    # A model folder, or a PEFT adapter folder (train.adapter: what sites send then).
-    described = (path / "config.json").is_file() or (path / "adapter_config.json").is_file()
-    if not described or not any(path.glob("*.safetensors")):
-        raise TransferError(
-            f"{source} is not a complete model or adapter folder (config.json or adapter_config.json, "
-            "and *.safetensors expected); "
-            f"it may still be in training. {hint}"
+def marker_text(path: str | Path) -> str:
+    """sha256sum lines for every file of `path` (a folder or a file), named relative to its parent."""
+    path = Path(path)
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    return "".join(f"{sha256_file(p)}  {p.relative_to(path.parent).as_posix()}\n" for p in files)
+
+
+def mark(path: str | Path) -> Path:
+    """Write the marker of a finished folder or file (atomically, after it is in place)."""
+    path = Path(path)
+    if not path.exists():
+        raise TransferError(f"--path: {path} does not exist: nothing to mark complete")
+    marker = marker_path(path)
+    write_text(marker, marker_text(path))
+    return marker
+
+
+def parse_marker(text: str, where: str) -> dict[str, str]:
+    sums = {}
+    for line in text.splitlines():
+        digest, sep, name = line.partition("  ")
+        if not sep or len(digest) != 64:
+            raise TransferError(f"{where}: not a sha256 list (line {line!r})")
+        sums[name] = digest
+    return sums
+
+
+def verify(path: Path, sums: dict[str, str], name: str) -> str | None:
+    """Why the copy at `path` (standing for `name`, as the marker names it) differs from the marker's
+    list, or None when every file is there with its sha256 and there is nothing else."""
+    if path.is_dir():
+        found = {f"{name}/{p.relative_to(path).as_posix()}": p for p in path.rglob("*") if p.is_file()}
+    else:
+        found = {name: path} if path.exists() else {}
+    missing = sorted(set(sums) - set(found))
+    extra = sorted(set(found) - set(sums))
+    if missing or extra:
+        return f"files missing {missing[:3]} or not in the marker {extra[:3]}"
+    for relative, digest in sums.items():
+        if sha256_file(found[relative]) != digest:
+            return f"{relative}: sha256 differs from the marker's"
+    return None
+
+
+def _rsync(*args: str, rsync: str = "rsync") -> subprocess.CompletedProcess:
+    return subprocess.run([rsync, *args], capture_output=True, text=True)
+
+
+def _said(result: subprocess.CompletedProcess) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    return f"rsync exit {result.returncode}: {' | '.join(lines[-3:])}"
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds < 120:
+        return f"{seconds} s"
+    if seconds < 7200:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
+
+
+class Waiter:
+    """Polls with backoff (first after `first` seconds, each wait 1.5 times the last, at most `most`) until
+    `wait` seconds have passed, printing where it waits."""
+
+    def __init__(self, wait: float, label: str, *, first: float = 2.0, most: float = 300.0):
+        self.wait, self.label = wait, label
+        self.started = time.monotonic()
+        self.pause = min(first, most)
+        self.most = most
+
+    @property
+    def waited(self) -> float:
+        return time.monotonic() - self.started
+
+    def sleep(self, why: str) -> bool:
+        """Sleep before the next look; False once the wait is over."""
+        left = self.wait - self.waited
+        if left <= 0:
+            return False
+        pause = min(self.pause, left)
+        print(
+            f"[transfer] waiting for {self.label}: {_duration(self.waited)} of {_duration(self.wait)} waited"
+            f" ({why}); next look in {_duration(pause)}",
+            file=sys.stderr,
+            flush=True,
         )
+        time.sleep(pause)
+        self.pause = min(self.pause * 1.5, self.most)
+        return True
 
 
-def fetch(source: str, out: str | Path, *, hint: str = "", rsync: str = "rsync") -> Path:
+def _timeout(waiter: Waiter, where: str, last: str, check: str) -> TransferError:
+    return TransferError(
+        f"gave up waiting for {waiter.label} after {_duration(waiter.waited)} (federation.wait): {where} "
+        f"(last look: {last}). {check} Then run this command again: finished work is kept."
+    )
+
+
+def _wait_for(look: Callable[[], str | None], waiter: Waiter, where: str, check: str) -> None:
+    """Call `look` (None: found; else why not) until it finds, or raise the timeout error."""
+    while (why := look()) is not None:
+        if not waiter.sleep(why):
+            raise _timeout(waiter, where, why, check)
+
+
+class _Retry(Exception):
+    """A copy that failed verification: atomic_dir deletes it, the loop fetches again."""
+
+
+def _name(source: str) -> str:
+    """The last path component of an rsync source (host:/a/b/model -> model)."""
+    return source.rsplit("/", 1)[-1].rsplit(":", 1)[-1]
+
+
+def fetch(
+    source: str, out: str | Path, *, wait: float = 0, label: str = "", check: str = "",
+    rsync: str = "rsync", first: float = 2.0, most: float = 300.0,
+) -> Path:  # fmt: skip
+    """Pull `source` (a folder or file another cluster marked complete) into `out`."""
     out = Path(out)
     if shutil.which(rsync) is None:
         raise TransferError(f"{rsync} not found: install rsync to fetch models from other clusters")
-    is_dir = not source.endswith(".json")
-    if is_dir:
-        with atomic_dir(out) as tmp:
-            _rsync(rsync, f"{source.rstrip('/')}/", f"{tmp}/", hint, "-a", "--partial")
-            _check_complete(tmp, source, hint)
-    else:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.transfer")
-        try:
-            _rsync(rsync, source, str(tmp), hint, "-a")
-        except TransferError:
-            tmp.unlink(missing_ok=True)
-            raise
-        tmp.replace(out)
-    print(f"fetched {source} -> {out}")
+    source = source.rstrip("/")
+    name = out.name
+    waiter = Waiter(wait, label or source, first=first, most=most)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale(out)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{name}.tmp-marker-") as scratch:
+        local_marker = Path(scratch) / "marker"
+
+        def look_for_marker() -> str | None:
+            result = _rsync("-a", source + MARKER, str(local_marker), rsync=rsync)
+            if result.returncode == 0:
+                return None
+            return f"no {source + MARKER} yet" if result.returncode in NOT_THERE else _said(result)
+
+        _wait_for(look_for_marker, waiter, f"{source + MARKER} never appeared", check)
+        sums = parse_marker(local_marker.read_text(), source + MARKER)
+        is_dir = any("/" in key for key in sums)
+        problem = ""
+        for _ in range(ATTEMPTS):
+            if is_dir:
+                try:
+                    with atomic_dir(out) as tmp:
+                        result = _rsync("-a", f"{source}/", f"{tmp}/", rsync=rsync)
+                        problem = _said(result) if result.returncode else verify(tmp, sums, _name(source))
+                        if problem:
+                            raise _Retry  # atomic_dir deletes the copy
+                except _Retry:
+                    continue
+            else:
+                tmp = out.with_name(f".{name}.tmp-file")
+                result = _rsync("-a", source, str(tmp), rsync=rsync)
+                problem = _said(result) if result.returncode else verify(tmp, sums, _name(source))
+                if problem:
+                    tmp.unlink(missing_ok=True)
+                    continue
+                tmp.replace(out)
+            break
+        else:
+            raise TransferError(
+                f"{label or source}: the copy failed verification {ATTEMPTS} times ({problem}); deleted. "
+                f"{check}"
+            )
+    print(f"[transfer] fetched {source} -> {out}, every file checked against its sha256", file=sys.stderr)
     return out
+
+
+def push(
+    run: str | Path, item: str, to: str, *, wait: float = 0, label: str = "", check: str = "",
+    rsync: str = "rsync", first: float = 2.0, most: float = 300.0,
+) -> str:  # fmt: skip
+    """Send run/item (marked complete here, or marked now) into `to`/inbox/item, marker last."""
+    run = Path(run)
+    local = run / item
+    if not local.exists():
+        raise TransferError(f"{local} does not exist: nothing to push")
+    text = marker_text(local)
+    inbox = f"{to.rstrip('/')}/{INBOX}/"
+    # --relative with /./ recreates item's folders under the inbox (rsync makes only the last level).
+    args = ["-a", "--relative", "--delete", f"{run}/./{item}"]
+    if local.is_dir():
+        args[-1] += "/"
+    waiter = Waiter(wait, label or f"{to} to take {item}", first=first, most=most)
+    pushed = ""
+
+    def send() -> str | None:
+        nonlocal pushed
+        result = _rsync(*args, inbox, rsync=rsync)
+        if result.returncode:
+            return _said(result)
+        # Every file compared by checksum: what differs is listed (and sent again on the next look).
+        check_run = _rsync("-c", "-n", "-i", *args, inbox, rsync=rsync)
+        differs = [line for line in check_run.stdout.splitlines() if line[:1] in "<>ch*"]
+        if check_run.returncode or differs:
+            return f"copy differs from the original: {differs[:3] or _said(check_run)}"
+        with tempfile.TemporaryDirectory() as scratch:
+            marker = Path(scratch) / item
+            marker = marker.with_name(marker.name + MARKER)
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text(text)
+            result = _rsync("-a", "--relative", f"{scratch}/./{item}{MARKER}", inbox, rsync=rsync)
+        if result.returncode:
+            return _said(result)
+        pushed = inbox + item
+        return None
+
+    _wait_for(send, waiter, f"could not put {item} into {inbox}", check)
+    print(f"[transfer] pushed {local} -> {pushed}, checked, marked complete", file=sys.stderr)
+    return pushed
+
+
+def receive(
+    run: str | Path, item: str, out: str | Path, *, wait: float = 0, label: str = "", check: str = "",
+    first: float = 2.0, most: float = 300.0,
+) -> Path:  # fmt: skip
+    """Wait for `item` pushed into run/inbox by its maker, verify it, and move it to `out`."""
+    staged = Path(run) / INBOX / item
+    marker = marker_path(staged)
+    out = Path(out)
+    waiter = Waiter(wait, label or str(staged), first=first, most=most)
+    rejected = ""
+
+    def look() -> str | None:
+        nonlocal rejected
+        if not marker.is_file():
+            earlier = (
+                f"; an earlier copy failed verification ({rejected}) and was deleted" if rejected else ""
+            )
+            return f"no {marker} yet{earlier}"
+        problem = verify(staged, parse_marker(marker.read_text(), str(marker)), staged.name)
+        if problem:
+            rejected = problem
+            marker.unlink(missing_ok=True)
+            if staged.is_dir():
+                shutil.rmtree(staged, ignore_errors=True)
+            else:
+                staged.unlink(missing_ok=True)
+            return f"the copy failed verification ({problem}); deleted, waiting for it to be sent again"
+        return None
+
+    _wait_for(look, waiter, f"{marker} never appeared", check)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.is_dir():
+        shutil.rmtree(out)
+    os.replace(staged, out)
+    marker.unlink()
+    print(f"[transfer] received {staged} -> {out}, every file checked against its sha256", file=sys.stderr)
+    return out
+
+
+def _wait_options(parser) -> None:
+    parser.add_argument("--wait", default="0", help="how long to wait: seconds, or 90m, 3d (federation.wait)")
+    parser.add_argument("--remote", default="", help="the other cluster, for the messages")
+    parser.add_argument("--round", default="", help="the federation round, for the messages")
+    parser.add_argument("--what", default="", help="what is waited for, for the messages")
+    parser.add_argument("--check", default="", help="what to check where, when the wait ends unfulfilled")
+    parser.add_argument("--poll", type=float, default=2.0, help="seconds before the first look again (2)")
+    parser.add_argument(
+        "--poll-max",
+        type=float,
+        default=None,
+        help="most seconds between looks (a hundredth of --wait, 2 to 300)",
+    )
+
+
+def _label(args) -> str:
+    parts = [args.what or "it"]
+    if args.round not in ("", "0"):
+        parts.append(f"of round {args.round}")
+    if args.remote:
+        parts.append(f"from {args.remote}" if args.command != "push" else f"to {args.remote}")
+    return " ".join(parts)
 
 
 @cli.entry("fedtune.core.transfer")
 def main(argv=None) -> int:
     parser = cli.parser("fedtune.core.transfer", __doc__)
-    parser.add_argument("--source", required=True, help="rsync source: a folder or a .json file")
-    cli.add_out(parser, "the output")
-    parser.add_argument("--hint", default="", help="what to run where when the source is missing")
+    commands = parser.add_subparsers(dest="command", required=True)
+    marking = commands.add_parser("mark", help="write <path>.COMPLETE with the sha256 of its files")
+    marking.add_argument("--path", required=True)
+    marking.add_argument(
+        "--out", default=None, help="the marker's path (the workflow's output); default beside"
+    )
+    fetching = commands.add_parser("fetch", help="pull a marked folder or file from another cluster")
+    fetching.add_argument("--source", required=True, help="rsync source: a folder or a file")
+    cli.add_out(fetching, "the output")
+    _wait_options(fetching)
+    pushing = commands.add_parser("push", help="send a folder or file into another cluster's inbox")
+    pushing.add_argument("--run", required=True, help="this cluster's run folder")
+    pushing.add_argument("--item", required=True, help="the path inside the run folder")
+    pushing.add_argument("--to", required=True, help="the other cluster's run folder, as rsync reaches it")
+    pushing.add_argument("--receipt", default=None, help="a file written once the push is complete")
+    _wait_options(pushing)
+    receiving = commands.add_parser("receive", help="wait for a pushed folder or file and take it")
+    receiving.add_argument("--run", required=True, help="this cluster's run folder")
+    receiving.add_argument("--item", required=True, help="the path inside the run folder")
+    cli.add_out(receiving, "the output")
+    _wait_options(receiving)
     args = parser.parse_args(argv)
-    fetch(args.source, args.out, hint=args.hint)
+
+    if args.command == "mark":
+        marker = mark(args.path)
+        if args.out and Path(args.out) != marker:
+            write_text(args.out, marker.read_text())
+        return 0
+    wait = parse_duration(args.wait, "--wait") if str(args.wait).strip() not in ("0", "") else 0.0
+    # Short waits look often (tests, a shared file system); long ones every 5 minutes at most.
+    most = args.poll_max if args.poll_max is not None else max(2.0, min(300.0, wait / 100))
+    common = dict(wait=wait, label=_label(args), check=args.check, first=args.poll, most=most)
+    if args.command == "fetch":
+        fetch(args.source, args.out, **common)
+    elif args.command == "push":
+        pushed = push(args.run, args.item, args.to, **common)
+        if args.receipt:
+            write_text(args.receipt, pushed + "\n")
+    else:
+        receive(args.run, args.item, args.out, **common)
     return 0
 
 

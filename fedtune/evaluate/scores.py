@@ -222,6 +222,7 @@ def evaluate_classifier(
     dtype: str | None,
     device: str,
     base: str | Path | None = None,
+    loaded: tuple | None = None,
 ) -> dict:
     import numpy as np
     import torch
@@ -232,8 +233,7 @@ def evaluate_classifier(
     labels = np.asarray(data.with_format("numpy")[label_field])
     if len(labels) == 0:
         raise EvaluateError(f"{data_dir} ({split}): no documents to classify")
-    tokenizer = load_tokenizer(adapters.weights_folder(model_dir, base))
-    model = adapters.load_model(model_dir, base=base, task=CLASSIFICATION, dtype=dtype)
+    model, tokenizer = loaded or load(model_dir, base=base, task=CLASSIFICATION, dtype=dtype, device=device)
     num_labels = model.config.num_labels
     problem = label_problem(labels, num_labels)
     if problem:
@@ -246,7 +246,6 @@ def evaluate_classifier(
         )
     except TokenizeError as e:
         raise EvaluateError(str(e)) from None
-    model.to(device).eval()
     predictions, logits = classify(
         model,
         rows,
@@ -272,6 +271,13 @@ def evaluate_classifier(
     }
 
 
+def load(model_dir, *, base=None, task: str = CAUSAL_LM, dtype: str | None = None, device: str = "cpu"):
+    """(model on `device`, in eval mode; tokenizer) of a model folder, or of a base + adapter folder."""
+    tokenizer = load_tokenizer(adapters.weights_folder(model_dir, base))
+    model = adapters.load_model(model_dir, base=base, task=task, dtype=dtype)
+    return model.to(device).eval(), tokenizer
+
+
 def evaluate(
     model_dir: str | Path,
     data_dir: str | Path,
@@ -292,9 +298,11 @@ def evaluate(
     task: str = CAUSAL_LM,
     label_field: str = "label",
     base: str | Path | None = None,
+    loaded: tuple | None = None,
 ) -> dict:
     """Scores of one model on one split. `base`: the base model of an adapter folder (train.adapter),
-    evaluated as base + adapter without merging."""
+    evaluated as base + adapter without merging. `loaded`: (model, tokenizer) as `load` returned them for
+    this model, device and dtype, so that one load serves every site."""
     import torch
 
     started = time.perf_counter()
@@ -319,7 +327,7 @@ def evaluate(
         scores = evaluate_classifier(
             model_dir, data_dir, split=split, text_field=text_field, label_field=label_field,
             template=template, max_length=max_length, batch_size=batch_size, max_documents=max_documents,
-            dtype=dtype, device=device, base=base,
+            dtype=dtype, device=device, base=base, loaded=loaded,
         )  # fmt: skip
         return {
             **identity,
@@ -331,15 +339,14 @@ def evaluate(
 
     texts = load_texts(data_dir, split, text_field, max_documents)
     weights = adapters.weights_folder(model_dir, base)
-    tokenizer = load_tokenizer(weights)
+    tokenizer = loaded[1] if loaded else load_tokenizer(weights)
     stream = build_stream(texts, tokenizer, template, add_bos=add_bos)
     if len(stream.ids) < 2:
         raise EvaluateError(f"{data_dir} ({split}): {len(stream.ids)} tokens, nothing to score")
     model_config = weights / "config.json"
     if model_config.is_file():
         check_fits(max_length, json.loads(model_config.read_text()), "--max-length", str(model_config))
-    model = adapters.load_model(model_dir, base=base, task=CAUSAL_LM, dtype=dtype)
-    model.to(device).eval()
+    model = loaded[0] if loaded else load(model_dir, base=base, dtype=dtype, device=device)[0]
 
     nll, scored, n_windows = score(
         model, stream.ids, max_length, stride, batch_size, device,
@@ -422,9 +429,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--model", required=True, help="HF model folder (save_pretrained) or PEFT adapter folder"
     )
     parser.add_argument("--base", default=None, help="the base model of an adapter --model (train.adapter)")
-    parser.add_argument(
-        "--data", required=True, help="raw DatasetDict folder (save_to_disk): data/<site>/raw"
-    )
+    parser.add_argument("--data", default=None, help="raw DatasetDict folder (save_to_disk): data/<site>/raw")
     parser.add_argument("--split", default="test")
     parser.add_argument("--text-field", default="text")
     parser.add_argument("--task", choices=TASKS, default=CAUSAL_LM)
@@ -454,51 +459,99 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--label", default=None, help="name of the model in the report: base, a site, aggregate"
     )
     parser.add_argument("--round", type=int, default=None, help="federation round of the model (base: 0)")
-    cli.add_out(parser, "result JSON")
+    parser.add_argument("--out", default=None, help="result JSON")
     parser.add_argument(
         "--tracking",
         default=None,
         help="the config's tracking section as JSON, dir resolved (fedtune.core.tracking)",
     )
     parser.add_argument("--run-name", default=None, help="the run's name, for the tracked run's name")
+    parser.add_argument(
+        "--sites",
+        default=None,
+        help="several sites' test splits for one load of the model: a JSON list of {site, data, out, "
+        "text_field, template, label_field}; replaces --site, --data, --text-field, --template, "
+        "--label-field and --out",
+    )
     args = parser.parse_args(argv)
 
     tracked = _tracking_options(args)
     options = resolve_options(args.options, {key: getattr(args, key) for key in OPTION_KEYS})
-    result = evaluate(
-        args.model,
-        args.data,
-        split=args.split,
-        text_field=args.text_field,
-        template=args.template,
-        add_bos=args.add_bos,
-        device=args.device,
-        site=args.site,
-        label=args.label,
-        round_number=args.round,
-        task=args.task,
-        label_field=args.label_field,
-        base=args.base,
-        **{key: getattr(options, key) for key in OPTION_KEYS},
-    )
-    write_json(args.out, result)
-    if tracked is not None:
-        tracking.log_evaluation(tracked, result, run=args.run_name)
-    if args.task == CLASSIFICATION:
+    sites = _site_jobs(args)
+    if args.task != CLASSIFICATION:
+        windows(options.max_length, options.max_length, options.stride)  # option checks before loading
+    for i, job in enumerate(sites):
+        check_template(job["template"], f"--sites[{i}].template" if args.sites else "--template")
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    check_device(device)
+    # One load of the model for every site.
+    loaded = load(args.model, base=args.base, task=args.task, dtype=options.dtype, device=device)
+    for job in sites:
+        result = evaluate(
+            args.model,
+            job["data"],
+            split=args.split,
+            text_field=job["text_field"],
+            template=job["template"],
+            add_bos=args.add_bos,
+            device=device,
+            site=job["site"],
+            label=args.label,
+            round_number=args.round,
+            task=args.task,
+            label_field=job["label_field"],
+            base=args.base,
+            loaded=loaded,
+            **{key: getattr(options, key) for key in OPTION_KEYS},
+        )
+        write_json(job["out"], result)
+        if tracked is not None:
+            tracking.log_evaluation(tracked, result, run=args.run_name)
+        _print_result(result, job["data"], args.task)
+    return 0
+
+
+def _site_jobs(args) -> list[dict]:
+    """The sites to score: --sites, or the one of --site, --data, --out and their fields."""
+    if args.sites is None:
+        if args.data is None or args.out is None:
+            raise EvaluateError("--data and --out are needed (or --sites)")
+        return [
+            {"site": args.site, "data": args.data, "out": args.out, "text_field": args.text_field,
+             "template": args.template, "label_field": args.label_field}
+        ]  # fmt: skip
+    try:
+        entries = json.loads(args.sites)
+    except json.JSONDecodeError as e:
+        raise EvaluateError(f"--sites: not valid JSON: {e}") from None
+    if not isinstance(entries, list) or not entries:
+        raise EvaluateError("--sites: a non-empty JSON list of {site, data, out, ...} expected")
+    jobs = []
+    for i, entry in enumerate(entries):
+        missing = [key for key in ("site", "data", "out") if not isinstance(entry, dict) or key not in entry]
+        if missing:
+            raise EvaluateError(f"--sites[{i}]: {', '.join(missing)} missing")
+        jobs.append({"text_field": "text", "template": "{text}", "label_field": "label", **entry})
+    return jobs
+
+
+def _print_result(result: dict, data, task: str) -> None:
+    if task == CLASSIFICATION:
         print(
-            f"[evaluate] {result['model']} on {result['site'] or args.data}: accuracy {result['accuracy']:.4f}, "
+            f"[evaluate] {result['model']} on {result['site'] or data}: accuracy {result['accuracy']:.4f}, "
             f"macro-F1 {result['macro_f1']:.4f} on {result['documents']:,} documents, "
             f"{result['wall_time_s']:.1f} s on {result['device']}",
             file=sys.stderr,
         )
-        return 0
+        return
     print(
-        f"[evaluate] {result['model']} on {result['site'] or args.data}: perplexity {result['perplexity']:.4f}, "
+        f"[evaluate] {result['model']} on {result['site'] or data}: perplexity {result['perplexity']:.4f}, "
         f"{result['bits_per_byte']:.4f} bits/byte, {result['tokens']:,} tokens in {result['windows']} windows, "
         f"{result['wall_time_s']:.1f} s on {result['device']}",
         file=sys.stderr,
     )
-    return 0
 
 
 if __name__ == "__main__":

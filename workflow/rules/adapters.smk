@@ -17,6 +17,8 @@ if ADAPTERS and aggregates_here():
             server_state=directory(server_state_dir("{round}")),
         log:
             log_path("aggregate", "round-{round}"),
+        group:
+            "round-{round}"
         conda:
             CONDA_ENV
         container:
@@ -51,6 +53,8 @@ if ADAPTERS:
             directory(aggregate_model_dir("{round}")),
         log:
             log_path("merge_adapter", "round-{round}"),
+        group:
+            "round-{round}"
         conda:
             CONDA_ENV
         container:

@@ -1,5 +1,7 @@
 # aggregate: merge the site models of a round into one, streaming tensor by tensor: a merge method over
-# the sites' task vectors against the round's start model, then the server optimizer.
+# the sites' task vectors against the round's start model, then the server optimizer. A round's merges and
+# evaluations form the group round-<r>: one Slurm job where the Slurm profile's group-components joins
+# the group's parts (local runs ignore groups).
 
 
 # The aggregate section as build_run_config checked it, with the merged models' dtype (model.dtype).
@@ -21,6 +23,8 @@ if aggregates_here() and not ADAPTERS:
             server_state=directory(server_state_dir("{round}")),
         log:
             log_path("aggregate", "round-{round}"),
+        group:
+            "round-{round}"
         conda:
             CONDA_ENV
         container:
@@ -65,6 +69,8 @@ if aggregates_here() and not ADAPTERS:
             log_path("aggregate_compare", "round-{round}-{method}"),
         wildcard_constraints:
             method=one_of(AGGREGATE.compare),
+        group:
+            "round-{round}"
         conda:
             CONDA_ENV
         container:

@@ -292,6 +292,32 @@ def round_model_dir(round, model):
     return compare_model_dir(round, model)
 
 
+def eval_outputs(*folder):
+    """One result per site, in `folder` (which may hold wildcards)."""
+    return [run_path(*folder, f"{site}.json") for site in SITES]
+
+
+def eval_sites(wildcards, output):
+    """--sites: each site's test data, its fields and template, and where its result goes."""
+    return to_json(
+        [
+            {
+                "site": site,
+                "data": raw_data_dir(site),
+                "out": out,
+                "text_field": RUN.sites[site].dataset["text_field"],
+                "template": RUN.sites[site].prompt_template,
+                **(
+                    {"label_field": RUN.sites[site].dataset["label_field"]}
+                    if CLASSIFICATION
+                    else {}
+                ),
+            }
+            for site, out in zip(SITES, output)
+        ]
+    )
+
+
 def pooled_eval(site):
     return run_path("pooled", "eval", f"{site}.json")
 
@@ -364,22 +390,137 @@ def downstream_inputs():
     return files
 
 
-def remote_source(cluster, relative, target):
-    """Where another cluster keeps `relative` (a path inside its run folder), for rsync. Without a
-    remote for that cluster, the error says what to run where instead."""
+# Multi-cluster federation: what crosses between clusters, who moves it, and how (fedtune.core.transfer).
+# A crossing item is a path inside the run folder made on one cluster and needed on another: a site's model
+# and manifest go to the aggregating cluster, each round's aggregate (adapter, with train.adapter) to the
+# other clusters for their next round. Its maker marks it complete (rule mark_complete) for a receiver
+# that pulls, or sends it (rule push) to a receiver whose federation.remotes entry says push.
+
+
+def transfer_mode(cluster):
+    """How files reach `cluster`'s run folder: pull (it fetches them) or push (their maker sends them)."""
+    remote = RUN.remotes.get(cluster)
+    return remote.transfer if remote is not None else "pull"
+
+
+def remote_path(cluster, target):
+    """Where another cluster keeps its run folder, for rsync. Without a remote for that cluster, the error
+    says what to run where instead."""
     remote = RUN.remotes.get(cluster)
     if remote is None:
         raise WorkflowError(
             f"{target} is missing: it is made on cluster {cluster}. Either run there "
             f"`snakemake --profile profiles/{cluster} {target}` and copy it here, or set "
-            f"federation.remotes.{cluster} to that run's folder (user@host:/path/{RUN_DIR}) so this "
-            f"run fetches it with rsync."
+            f"federation.remotes.{cluster} to that run's folder (user@host:/path/{RUN_DIR}) so that the "
+            f"clusters exchange it with rsync."
         )
-    return f"{remote.rstrip('/')}/{relative}"
+    return remote.path.rstrip("/")
 
 
-def fetch_hint(cluster, target):
-    return f"Produce it first on {cluster}: snakemake --profile profiles/{cluster} {target}"
+AGGREGATE_ITEM = "adapter" if ADAPTERS else "model"
+
+
+def crossing_items():
+    """(item, maker, receiver, round, what) of everything that crosses between clusters (round 0: data)."""
+    if HERE is None:
+        return []
+    items = []
+    for site in SITES:
+        maker = site_cluster(site)
+        if maker == AGGREGATE_ON:
+            continue
+        items.append(
+            (f"data/{site}/manifest.json", maker, AGGREGATE_ON, 0, f"{site}'s manifest")
+        )
+        items += [
+            (f"round-{r}/{site}/model", maker, AGGREGATE_ON, r, f"{site}'s model")
+            for r in ROUNDS
+        ]
+    for receiver in sorted({site_cluster(site) for site in SITES} - {AGGREGATE_ON}):
+        items += [
+            (
+                f"round-{r}/aggregate/{AGGREGATE_ITEM}",
+                AGGREGATE_ON,
+                receiver,
+                r,
+                "the aggregate",
+            )
+            for r in ROUNDS[:-1]
+        ]
+    return items
+
+
+# The paths an item may have (a wildcard constraint), and the clusters this one pushes to.
+CROSSING_ITEM = r"data/[A-Za-z][A-Za-z0-9_]*/manifest\.json|round-\d+/[A-Za-z][A-Za-z0-9_]*/(model|adapter)"
+PUSH_TO = sorted(
+    {receiver for _, maker, receiver, *_ in crossing_items() if maker == HERE}
+    & {cluster for cluster in RUN.remotes if transfer_mode(cluster) == "push"}
+)
+
+
+def sent_targets():
+    """What this cluster owes the others: a COMPLETE marker beside each item a receiver pulls, a receipt
+    of each push (sent/<cluster>/<item>.COMPLETE)."""
+    return [
+        (
+            run_path("sent", receiver, f"{item}.COMPLETE")
+            if transfer_mode(receiver) == "push"
+            else run_path(f"{item}.COMPLETE")
+        )
+        for item, maker, receiver, *_ in crossing_items()
+        if maker == HERE
+    ]
+
+
+def _messages(what, round, remote, check):
+    return f"--round {round} --remote {remote} --what {shlex.quote(what)} --check {shlex.quote(check)}"
+
+
+def wait_args():
+    return f"--wait {RUN.wait_s:g}"
+
+
+def receive_args(item, target):
+    """The transfer CLI's command and options that bring `item` (made elsewhere) to `target` here."""
+    maker, round, what = next(
+        (m, r, w) for i, m, rc, r, w in crossing_items() if i == item and rc == HERE
+    )
+    if transfer_mode(HERE) == "push":
+        check = (
+            f"On {maker}: is its controller running (in tmux), did its push job fail (logs/push), and can "
+            f"it reach this run folder (federation.remotes.{HERE})?"
+        )
+        return (
+            f"receive --run {shlex.quote(str(RUN_DIR))} --item {item} --out {shlex.quote(target)} "
+            f"{wait_args()} {_messages(what, round, maker, check)}"
+        )
+    source = f"{remote_path(maker, target)}/{item}"
+    check = (
+        f"On {maker}: is its controller running (in tmux), did its jobs fail ({RUN_DIR}/logs), and does "
+        f"`rsync {source}.COMPLETE .` work from here?"
+    )
+    return (
+        f"fetch --source {shlex.quote(source)} --out {shlex.quote(target)} {wait_args()} "
+        f"{_messages(what, round, maker, check)}"
+    )
+
+
+def push_args(wildcards):
+    """The transfer CLI's options that send `item` to the cluster `cluster`."""
+    round, what = next(
+        (r, w)
+        for i, m, rc, r, w in crossing_items()
+        if i == wildcards.item and rc == wildcards.cluster
+    )
+    to = remote_path(wildcards.cluster, run_path(wildcards.item))
+    check = (
+        f"Is {wildcards.cluster}'s run folder {to} there (its controller makes it when it starts) and "
+        f"reachable from here: does `rsync {to}/` list it?"
+    )
+    return (
+        f"--run {shlex.quote(str(RUN_DIR))} --item {wildcards.item} --to {shlex.quote(to)} {wait_args()} "
+        f"{_messages(what, round, wildcards.cluster, check)}"
+    )
 
 
 def tokenized_outputs():
@@ -392,12 +533,14 @@ def tokenized_outputs():
     return shards + [manifest_path(site) for site in LOCAL_SITES]
 
 
-def get_final_output():
+def get_final_output(wildcards=None):
     """Where the models meet: the report (which needs every stage), and with evaluate.tasks the task
-    scores and their report tables. Elsewhere: this cluster's sites' models of every round, which the
-    aggregating cluster fetches. Plus the scaling sweep's report where its site trains.
+    scores and their report tables. Elsewhere: this cluster's sites' models of every round. Everywhere
+    in a multi-cluster federation: what the other clusters need from this one, marked or sent. Plus the scaling sweep's report where its site trains.
     """
-    targets = tokenized_outputs()
+    if wildcards is not None:  # as rule all's input function, while the DAG is built
+        announce_jobs_per_round()
+    targets = tokenized_outputs() + sent_targets()
     if aggregates_here():
         targets.append(run_path("report", f"{REPORT_METRIC}.csv"))
     else:
@@ -409,15 +552,11 @@ def get_final_output():
     return targets
 
 
-def eval_task_args(site):
-    """A classifier reads its labels and sees each document cut where training cut it."""
+def eval_task_args():
+    """A classifier sees each document cut where training cut it (its label field is in --sites)."""
     if not CLASSIFICATION:
         return ""
-    label_field = RUN.sites[site].dataset["label_field"]
-    return (
-        f"--task {TASK} --label-field {shlex.quote(label_field)}"
-        f" --max-length {RUN.tokenize.block_size}"
-    )
+    return f"--task {TASK} --max-length {RUN.tokenize.block_size}"
 
 
 # Every job's shell (download, tokenize, evaluate, the downstream tasks, aggregate; training again through
@@ -430,3 +569,53 @@ if HERE is not None and CLUSTER_ENV.is_file():
 # The conda environment's torch build per cluster (envs/README.md): Iris's V100s need the CUDA 12.6 build.
 if HERE == "iris":
     CONDA_ENV = "../../envs/fedtune-cu126.yaml"
+
+
+def slurm_jobs_per_round(cluster, round):
+    """Slurm jobs of `round` on `cluster` (None: the only one): its sites' trainings, and where the models
+    meet the round's merges and evaluations, one job when the profile joins the group round-<r>. Rules
+    marked local (the transfers) run in the controller and are no Slurm jobs."""
+    trains = sum(
+        1 for site in SITES if cluster is None or site_cluster(site) == cluster
+    )
+    if cluster is not None and cluster != AGGREGATE_ON:
+        # merge_adapter, for the next round's start
+        return trains + (1 if ADAPTERS and round < ROUNDS[-1] else 0)
+    parts = (
+        (2 if ADAPTERS else 1) + len(RUN.aggregate.compare) + len(round_models(round))
+    )
+    joined = workflow.group_settings.group_components.get("round-{round}", 1) >= parts
+    return trains + (1 if joined else parts)
+
+
+def slurm_jobs_lines():
+    clusters = (
+        sorted({site_cluster(site) for site in SITES}) if HERE is not None else [None]
+    )
+    lines = []
+    for cluster in clusters:
+        counts = [slurm_jobs_per_round(cluster, r) for r in ROUNDS]
+        trains = sum(1 for s in SITES if cluster is None or site_cluster(s) == cluster)
+        rest = (
+            "merge-and-evaluate"
+            if cluster is None or cluster == AGGREGATE_ON
+            else "merge_adapter"
+        )
+        where = "" if cluster is None else f" on {cluster}"
+        rest = f", the rest {rest}" if max(counts) > trains else ""
+        lines.append(
+            f"fedtune: Slurm jobs per round{where}: {', '.join(map(str, counts))} (rounds 1-{ROUNDS[-1]}: "
+            f"{trains} training{'s' * (trains != 1)}{rest})"
+        )
+    return lines
+
+
+def announce_jobs_per_round():
+    """The dry run (and every start) with a Slurm profile (which joins the group round-<r>) or in a
+    multi-cluster federation says how many Slurm jobs each round costs on each cluster. Called while the
+    DAG is built, when the profile's group settings are known (they are not yet while this file loads).
+    """
+    grouped = "round-{round}" in workflow.group_settings.group_components
+    if not workflow.remote_exec and (grouped or HERE is not None):
+        for line in slurm_jobs_lines():
+            print(line, file=sys.stderr)

@@ -1,5 +1,6 @@
-# evaluate: perplexity of the base model, every site model and every aggregate on each site's test text;
-# with evaluate.tasks, lm-eval's downstream tasks on the base model and the last round's models.
+# evaluate: perplexity of the base model, every site model and every aggregate on each site's test text, one
+# job per model (loaded once for every site); with evaluate.tasks, lm-eval's downstream tasks on the base
+# model and the last round's models. A round's evaluations run in the round's merge job (group round-<r>).
 import re
 
 # Every evaluation result, base model first (the report's inputs).
@@ -19,22 +20,20 @@ EVAL_BOS = "--add-bos" if RUN.tokenize.add_bos else "--no-add-bos"
 
 
 EVAL_SHELL = (
-    "python -m fedtune.evaluate --model {input.model:q} {params.base} --data {input.data:q} --split test"
-    " --text-field {params.text_field:q} --template {params.template:q} {params.bos}"
-    " --options {params.options:q} {params.task}"
-    " --site {wildcards.site} --label {params.label} --round {params.round}"
-    " {params.tracking} --out {output:q} > {log:q} 2>&1"
+    "python -m fedtune.evaluate --model {input.model:q} {params.base} --split test {params.bos}"
+    " --options {params.options:q} {params.task} --sites {params.sites:q}"
+    " --label {params.label} --round {params.round} {params.tracking} > {log:q} 2>&1"
 )
 
 
 rule evaluate_base:
     input:
         model=base_model_dir(),
-        data=raw_data_dir("{site}"),
+        data=[raw_data_dir(site) for site in SITES],
     output:
-        run_path("eval", "base", "{site}.json"),
+        eval_outputs("eval", "base"),
     log:
-        log_path("evaluate", "base", "{site}"),
+        log_path("evaluate", "base"),
     conda:
         CONDA_ENV
     container:
@@ -44,14 +43,13 @@ rule evaluate_base:
         mem_mb=16000,
         runtime=60,
     params:
-        template=lambda wc: RUN.sites[wc.site].prompt_template,
-        text_field=lambda wc: RUN.sites[wc.site].dataset["text_field"],
+        sites=eval_sites,
         bos=EVAL_BOS,
         options=RUN.evaluate.perplexity_json(),
         label="base",
         round=0,
         base="",
-        task=lambda wc: eval_task_args(wc.site),
+        task=eval_task_args(),
         tracking=lambda wc: tracking_args(),
     shell:
         EVAL_SHELL
@@ -61,15 +59,18 @@ use rule evaluate_base as evaluate_round with:
     input:
         # A site's model of that round, the round's aggregate or a compared merge.
         model=lambda wc: round_model_dir(wc.round, wc.model),
-        data=raw_data_dir("{site}"),
+        data=[raw_data_dir(site) for site in SITES],
         # A site's adapter (train.adapter) is evaluated on its round's start model, unmerged.
         base=adapter_base,
     output:
-        run_path("round-{round}", "eval", "{model}", "{site}.json"),
+        eval_outputs("round-{round}", "eval", "{model}"),
     log:
-        log_path("evaluate", "round-{round}", "{model}", "{site}"),
+        log_path("evaluate", "round-{round}", "{model}"),
     wildcard_constraints:
         model="|".join(re.escape(m) for m in EVAL_MODELS),
+    # With the round's merge: one Slurm job per round where the models meet (profiles' group-components).
+    group:
+        "round-{round}"
     params:
         label=lambda wc: wc.model,
         round=lambda wc: wc.round,
@@ -81,12 +82,12 @@ if RUN.pooled:
     use rule evaluate_base as evaluate_pooled with:
         input:
             model=pooled_model_dir(),
-            data=raw_data_dir("{site}"),
+            data=[raw_data_dir(site) for site in SITES],
             base=adapter_base,
         output:
-            pooled_eval("{site}"),
+            [pooled_eval(site) for site in SITES],
         log:
-            log_path("evaluate", "pooled", "{site}"),
+            log_path("evaluate", "pooled"),
         params:
             label="pooled",
             base=base_arg,

@@ -1,27 +1,9 @@
-# transfer: models and manifests made on other clusters come in with rsync (federation.remotes).
-# These rules only match what this cluster does not make itself, so no output has two producers.
-
-
-rule fetch_site_model:
-    output:
-        directory(site_model_dir("{round}", "{site}")),
-    log:
-        log_path("fetch_site_model", "{round}-{site}"),
-    wildcard_constraints:
-        site=one_of(REMOTE_SITES),
-    localrule: True
-    conda:
-        CONDA_ENV
-    container:
-        CONTAINER
-    params:
-        source=lambda wc, output: remote_source(
-            site_cluster(wc.site), f"round-{wc.round}/{wc.site}/model", output[0]
-        ),
-        hint=lambda wc, output: fetch_hint(site_cluster(wc.site), output[0]),
-    shell:
-        "python -m fedtune.core.transfer --source {params.source:q} --out {output:q}"
-        " --hint {params.hint:q} > {log:q} 2>&1"
+# transfer: what crosses between clusters (crossing_items, common.smk) moves with rsync, unattended. Its
+# maker marks it complete (mark_complete) or sends it (push); the receiving rules wait for it, up to
+# federation.wait, and verify every file. These rules only match what this cluster does not make itself,
+# so no output has two producers.
+# The waiting jobs print their progress to the controller's console as well as to their log.
+TRANSFER = "python -m fedtune.core.transfer"
 
 
 rule fetch_manifest:
@@ -36,20 +18,37 @@ rule fetch_manifest:
         CONDA_ENV
     container:
         CONTAINER
+    # No core held: a transfer mostly waits (for days, maybe), and must not keep the jobs that the other
+    # cluster waits for in turn from starting. Its checksums take a core for a minute at the end.
+    threads: 0
     params:
-        source=lambda wc, output: remote_source(
-            site_cluster(wc.site), f"data/{wc.site}/manifest.json", output[0]
-        ),
-        hint=lambda wc, output: fetch_hint(site_cluster(wc.site), output[0]),
+        args=lambda wc, output: receive_args(f"data/{wc.site}/manifest.json", output[0]),
     shell:
-        "python -m fedtune.core.transfer --source {params.source:q} --out {output:q}"
-        " --hint {params.hint:q} > {log:q} 2>&1"
+        f"{TRANSFER} {{params.args}} 2>&1 | tee {{log:q}}"
+
+
+# A waiting job starts only once what it waits for can exist, here once the round's start model is (a
+# site's model of round r comes from round r-1's aggregate): no R jobs polling from the first minute.
+use rule fetch_manifest as fetch_site_model with:
+    input:
+        after=lambda wc: init_model_dir(wc.round),
+    output:
+        directory(site_model_dir("{round}", "{site}")),
+    log:
+        log_path("fetch_site_model", "{round}-{site}"),
+    params:
+        args=lambda wc, output: receive_args(
+            f"round-{wc.round}/{wc.site}/model", output[0]
+        ),
 
 
 if not aggregates_here():
 
     # With adapters only the aggregate adapter travels; rule merge_adapter makes the model here.
-    rule fetch_aggregate:
+    # After this cluster's own models of the round, which the aggregate needs.
+    use rule fetch_manifest as fetch_aggregate with:
+        input:
+            after=lambda wc: [site_model_dir(wc.round, site) for site in LOCAL_SITES],
         output:
             directory(
                 aggregate_adapter_dir("{round}")
@@ -58,18 +57,50 @@ if not aggregates_here():
             ),
         log:
             log_path("fetch_aggregate", "{round}"),
-        localrule: True
-        conda:
-            CONDA_ENV
-        container:
-            CONTAINER
         params:
-            source=lambda wc, output: remote_source(
-                AGGREGATE_ON,
-                f"round-{wc.round}/aggregate/{'adapter' if ADAPTERS else 'model'}",
-                output[0],
+            args=lambda wc, output: receive_args(
+                f"round-{wc.round}/aggregate/{AGGREGATE_ITEM}", output[0]
             ),
-            hint=lambda wc, output: fetch_hint(AGGREGATE_ON, output[0]),
-        shell:
-            "python -m fedtune.core.transfer --source {params.source:q} --out {output:q}"
-            " --hint {params.hint:q} > {log:q} 2>&1"
+
+
+# A folder or file another cluster pulls: the sha256 list of its files, written once it is in place.
+rule mark_complete:
+    input:
+        run_path("{item}"),
+    output:
+        run_path("{item}.COMPLETE"),
+    log:
+        log_path("mark_complete", "{item}"),
+    wildcard_constraints:
+        item=CROSSING_ITEM,
+    localrule: True
+    conda:
+        CONDA_ENV
+    container:
+        CONTAINER
+    shell:
+        f"{TRANSFER} mark --path {{input:q}} --out {{output:q}} > {{log:q}} 2>&1"
+
+
+# A folder or file sent to a cluster whose federation.remotes entry says push: into its inbox, checked,
+# the marker last; the receipt here records it.
+rule push:
+    input:
+        run_path("{item}"),
+    output:
+        run_path("sent", "{cluster}", "{item}.COMPLETE"),
+    log:
+        log_path("push", "{cluster}", "{item}"),
+    wildcard_constraints:
+        item=CROSSING_ITEM,
+        cluster=one_of(PUSH_TO),
+    localrule: True
+    conda:
+        CONDA_ENV
+    container:
+        CONTAINER
+    threads: 0
+    params:
+        args=push_args,
+    shell:
+        f"{TRANSFER} push {{params.args}} --receipt {{output:q}} 2>&1 | tee {{log:q}}"

@@ -1,0 +1,91 @@
+"""A real SSH server on this machine for the multi-cluster tests: sshd on a free local port, with a host
+key and a user key made for the session. rsync then reaches `127.0.0.1:/path` through it (RSYNC_RSH), as
+it reaches another cluster's login node. Skips (with the reason) only where sshd cannot be had; in CI
+(CI=true, root) it must run (tests/conftest.py turns the skip into a failure)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+
+@dataclass
+class SSHServer:
+    host: str
+    rsync_rsh: str
+    process: subprocess.Popen
+
+    def env(self) -> dict[str, str]:
+        """The environment under which rsync (and every job started from it) logs in through this server."""
+        return dict(os.environ, RSYNC_RSH=self.rsync_rsh)
+
+
+def _sshd() -> str | None:
+    found = shutil.which("sshd") or next((p for p in ("/usr/sbin/sshd",) if Path(p).is_file()), None)
+    if found is None and os.geteuid() == 0 and shutil.which("apt-get"):
+        subprocess.run(
+            ["apt-get", "install", "-y", "openssh-server"],
+            capture_output=True,
+            timeout=600,
+            env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"),
+        )
+        found = shutil.which("sshd") or ("/usr/sbin/sshd" if Path("/usr/sbin/sshd").is_file() else None)
+    return found
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_sshd(folder: Path) -> SSHServer:
+    sshd = _sshd()
+    if sshd is None:
+        pytest.skip(
+            "no sshd here, and `apt-get install -y openssh-server` could not provide one (needs root)"
+        )
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("host_key", "user_key"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(folder / name)], check=True)
+    shutil.copy(folder / "user_key.pub", folder / "authorized_keys")
+    port = _free_port()
+    config = folder / "sshd_config"
+    config.write_text(
+        f"Port {port}\nListenAddress 127.0.0.1\nHostKey {folder / 'host_key'}\nPidFile {folder / 'sshd.pid'}\n"
+        f"AuthorizedKeysFile {folder / 'authorized_keys'}\nStrictModes no\nUsePAM no\n"
+        "PasswordAuthentication no\nKbdInteractiveAuthentication no\nPermitRootLogin prohibit-password\n"
+    )
+    if os.geteuid() == 0:
+        Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege separation folder
+    process = subprocess.Popen(
+        [sshd, "-D", "-e", "-f", str(config)],
+        stdout=subprocess.DEVNULL,
+        stderr=open(folder / "sshd.log", "w"),
+    )
+    rsh = (
+        f"ssh -p {port} -i {folder / 'user_key'} -o BatchMode=yes -o StrictHostKeyChecking=no"
+        " -o UserKnownHostsFile=/dev/null -o LogLevel=ERROR"
+    )
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        probe = subprocess.run([*rsh.split(), "127.0.0.1", "true"], capture_output=True, text=True)
+        if probe.returncode == 0:
+            return SSHServer("127.0.0.1", rsh, process)
+        if process.poll() is not None:
+            break
+        time.sleep(0.3)
+    process.terminate()
+    raise RuntimeError(f"sshd did not take a login: {(folder / 'sshd.log').read_text()[-2000:]}")
+
+
+def stop_sshd(server: SSHServer) -> None:
+    server.process.terminate()
+    server.process.wait(timeout=10)

@@ -1,0 +1,162 @@
+"""Two clusters on this machine, unattended: two run folders, two controllers started together with one
+command each, all rounds. `leo` (site alpha; Leonardo in the published setup) aggregates and reaches
+`karo` (site beta; Karolina) over real SSH (a local sshd, tests/ssh_harness.py); karo logs in nowhere.
+(Not named leonardo and karolina: their scripts/clusters/*.sh need the real clusters' scratch.) The final aggregate must be bit-identical
+to a one-cluster run of the same config, also when a controller is killed mid-round and restarted; a
+remote that never delivers ends in the timeout error with nothing partial left."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from .ssh_harness import start_sshd, stop_sshd
+from .workflow_harness import ROOT, VENV_BIN, demo_config, snakemake, write_config
+
+pytestmark = pytest.mark.sshd
+ROUNDS = 3
+
+
+def lean_config(**extra) -> dict:
+    """The demo, small: 3 rounds of 3 steps, one shard, the last round evaluated on 10 documents."""
+    config = demo_config()
+    config["tokenize"] = {**config["tokenize"], "shards": 1}
+    config["train"] = {**config["train"], "max_steps": 3, "warmup_steps": 1}
+    config["evaluate"] = {**config["evaluate"], "intermediate": "none", "max_documents": 10}
+    config["federation"] = {"rounds": ROUNDS, "pooled_baseline": False}
+    config.update(extra)
+    return config
+
+
+def two_clusters(tmp_path: Path, config: dict, remotes: dict) -> tuple[Path, Path]:
+    folders = {}
+    for cluster in ("leo", "karo"):
+        workdir = tmp_path / cluster
+        workdir.mkdir()
+        mine = {**config, "cluster": cluster}
+        mine["sites"] = {name: dict(site) for name, site in config["sites"].items()}
+        mine["sites"]["alpha"]["cluster"] = "leo"
+        mine["sites"]["beta"]["cluster"] = "karo"
+        mine["federation"] = {**config["federation"], "aggregate_on": "leo", "wait": "4m",
+                              "remotes": remotes}  # fmt: skip
+        write_config(workdir, mine)
+        folders[cluster] = workdir
+    return folders["leo"], folders["karo"]
+
+
+def start(workdir: Path, env: dict) -> subprocess.Popen:
+    """One controller, as a user starts it in tmux: the plain command, default target."""
+    command = [
+        f"{VENV_BIN}/snakemake", "--snakefile", str(ROOT / "Snakefile"), "--directory", str(workdir),
+        "--configfile", str(workdir / "config.yaml"), "--profile", str(ROOT / "profiles" / "local"),
+    ]  # fmt: skip
+    env = dict(env, PATH=f"{VENV_BIN}:{env['PATH']}")
+    log = open(workdir / "controller.log", "a")
+    return subprocess.Popen(command, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)  # fmt: skip
+
+
+def finish(process: subprocess.Popen, workdir: Path, timeout: int = 900) -> str:
+    process.wait(timeout=timeout)
+    text = (workdir / "controller.log").read_text()
+    assert process.returncode == 0, text[-5000:]
+    return text
+
+
+def weights(workdir: Path, round: int = ROUNDS) -> dict[str, bytes]:
+    folder = workdir / "results" / "demo" / f"round-{round}" / "aggregate" / "model"
+    return {p.name: p.read_bytes() for p in folder.glob("*.safetensors")}
+
+
+def one_cluster(tmp_path: Path, config: dict) -> dict[str, bytes]:
+    workdir = tmp_path / "one-cluster"
+    workdir.mkdir()
+    write_config(workdir, config)
+    snakemake(workdir, f"results/demo/round-{ROUNDS}/aggregate/model")
+    return weights(workdir)
+
+
+@pytest.fixture
+def ssh(tmp_path):
+    server = start_sshd(tmp_path / "sshd")
+    yield server
+    stop_sshd(server)
+
+
+def test_fedadam_three_rounds_with_a_controller_killed_mid_round(tmp_path, ssh):
+    """Leonardo pulls beta's models from Karolina over SSH and pushes each aggregate to it; Leonardo's
+    controller is killed in round 2 and started again with the same command."""
+    config = lean_config()
+    karolina_run = tmp_path / "karo" / "results" / "demo"
+    leonardo, karolina = two_clusters(
+        tmp_path, config, {"karo": {"path": f"{ssh.host}:{karolina_run}", "transfer": "push"}}
+    )
+    env = ssh.env()
+    leo, kar = start(leonardo, env), start(karolina, env)
+    # Mid-round: round 1's aggregate is there, round 2's training under way.
+    deadline = time.monotonic() + 600
+    while not (leonardo / "results/demo/round-1/aggregate/model").is_dir():
+        for process, workdir in ((leo, leonardo), (kar, karolina)):
+            assert time.monotonic() < deadline and process.poll() is None, (
+                workdir / "controller.log"
+            ).read_text()
+        time.sleep(0.5)
+    os.killpg(leo.pid, signal.SIGKILL)
+    leo.wait()
+    subprocess.run([f"{VENV_BIN}/snakemake", "--snakefile", str(ROOT / "Snakefile"), "--directory",
+                    str(leonardo), "--configfile", str(leonardo / "config.yaml"), "--unlock"],
+                   cwd=leonardo, capture_output=True, check=True)  # fmt: skip
+    leo = start(leonardo, env)
+    leonardo_log, karolina_log = finish(leo, leonardo), finish(kar, karolina)
+
+    expected = one_cluster(tmp_path, config)
+    assert expected and weights(leonardo) == expected
+    # Karolina took every aggregate it trained from without logging in anywhere, bit for bit.
+    for r in range(1, ROUNDS):
+        assert weights(karolina, r) == weights(leonardo, r)
+    assert "[transfer] received" in karolina_log and "fetch --source 127.0.0.1:" in leonardo_log
+    assert (leonardo / "results/demo/report/perplexity.csv").is_file()
+    assert not list((karolina_run / "inbox").rglob("*.COMPLETE"))
+
+
+def test_adapters_three_rounds_both_pulling(tmp_path, ssh):
+    """train.adapter: only adapters cross, each cluster pulls (Leonardo over SSH, Karolina from a
+    shared path), and both merge every aggregate adapter themselves."""
+    config = lean_config()
+    config["train"] = {**config["train"], "adapter": {"r": 4}}
+    config["aggregate"] = {"adapter_merge": "exact"}
+    leonardo_run = tmp_path / "leo" / "results" / "demo"
+    karolina_run = tmp_path / "karo" / "results" / "demo"
+    leonardo, karolina = two_clusters(
+        tmp_path, config, {"karo": f"{ssh.host}:{karolina_run}", "leo": str(leonardo_run)}
+    )
+    env = ssh.env()
+    leo, kar = start(leonardo, env), start(karolina, env)
+    finish(leo, leonardo), finish(kar, karolina)
+    expected = one_cluster(tmp_path, config)
+    assert expected and weights(leonardo) == expected
+    assert weights(karolina, ROUNDS - 1) == weights(leonardo, ROUNDS - 1)
+    assert (leonardo_run / f"round-{ROUNDS - 1}/aggregate/adapter.COMPLETE").is_file()
+
+
+def test_a_remote_that_never_delivers_ends_in_the_timeout_error(tmp_path):
+    config = lean_config()
+    karolina_run = tmp_path / "karo" / "results" / "demo"
+    leonardo, _ = two_clusters(tmp_path, config, {"karo": str(karolina_run)})
+    text = (leonardo / "config.yaml").read_text().replace("wait: 4m", "wait: 3s")
+    (leonardo / "config.yaml").write_text(text)
+    result = snakemake(leonardo, "results/demo/round-1/aggregate/model", check=False)
+    assert result.returncode != 0
+    log = (leonardo / "results/demo/logs/fetch_manifest/beta.log").read_text()
+    assert "gave up waiting for beta's manifest from karo" in log
+    assert "On karo: is its controller running" in log
+    assert "[transfer] waiting for beta's manifest from karo" in log
+    run = leonardo / "results" / "demo"
+    assert not (run / "data/beta/manifest.json").exists()
+    assert not (run / "round-1/beta/model").exists()
+    assert not [p for p in run.rglob(".*tmp*")]
