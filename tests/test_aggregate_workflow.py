@@ -49,7 +49,7 @@ def test_rounds_pass_start_and_server_state_and_compare_models_are_targets(tmp_p
     assert options["server_optimizer"] == {
         "name": "fedadam",
         "lr": 0.1,
-        "momentum": 0.9,
+        "momentum": 0.5,
         "betas": [0.9, 0.99],
         "tau": 0.001,
     }
