@@ -177,6 +177,7 @@ class Bench:
         AdamW state of its previous round (federation.site_optimizer: keep), updated in place."""
         model = self.model
         model.load_state_dict(start)
+        torch.manual_seed(options.seed)  # as the training loop: before the adapter's A is drawn
         if options.adapter:
             from fedtune.core.adapters import wrap
 
@@ -189,7 +190,6 @@ class Bench:
         if moments is not None and "state" in moments:
             optimizer.load_state_dict(moments)
         order = BlockOrder(len(blocks), options.global_batch, options.micro_batch, 1, options.seed)
-        torch.manual_seed(options.seed)
         first = plan.first_step(steps)
         for step in range(steps):
             for group in optimizer.param_groups:
