@@ -32,6 +32,8 @@ def config_for(mode: str, out: Path) -> dict:
     config["run"] = f"demo-lora-{mode}"
     config["results"] = str(out / "results")
     config["aggregate"]["adapter_merge"] = mode
+    # The two ways of combining adapters, under plain FedAvg (average_factors takes no server optimizer).
+    config["aggregate"]["server_optimizer"] = {"name": "sgd", "lr": 1.0}
     config["federation"]["pooled_baseline"] = mode == MODES[0]
     return config
 
