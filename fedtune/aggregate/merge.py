@@ -309,8 +309,8 @@ def aggregate(
     `start` is the model the round started from: the base of the task vectors and of the server
     optimizer's step (not read when the method's weighted mean is the result: fedavg with sgd at lr 1).
     With neither state folder, fedavgm at lr 1 (the default) takes its first step, which is sgd at lr 1:
-    a one-shot merge needs no state. The server optimizer's state is read from `server_state_in` (none in the first round) and written to
-    `server_state_out`. Every check (arguments, weights, compatibility) runs before the first byte is
+    a one-shot merge needs no state. The server optimizer's state is read from `server_state_in` (none
+    in the first round) and written to `server_state_out`. Every check (arguments, weights, compatibility) runs before the first byte is
     written; the options were checked when they were made."""
     started = time.perf_counter()
     options = options or AggregateOptions.from_mapping({})
