@@ -5,6 +5,7 @@ on real text nobody tuned on (benchmarks/federation_sets.py holds the sets and t
     python benchmarks/federation_bench.py run --regime scratch --half confirmation
     python benchmarks/federation_bench.py run --regime finetune --half confirmation
     python benchmarks/federation_bench.py run --regime lora --half confirmation
+    python benchmarks/federation_bench.py bound --half tuning --sets de-fr   # what 60 steps can reach
     python benchmarks/federation_bench.py run --regime scratch --half tuning --strategies fedavg default \\
         --server '{"name": "fedadam", "lr": 0.05}'                         # one more candidate, by hand
 
@@ -339,6 +340,38 @@ def run(args) -> int:
     return 0
 
 
+def bound(args) -> int:
+    """What 60 sequential steps can reach (docs/federation.md, "Where federation still falls short"):
+    the pooled data trained for one site's steps with M times the batch (the federation's tokens in the
+    federation's number of steps), the same with the plain batch, and each site alone on its own text,
+    each as a gap to the pooled model."""
+    import dataclasses
+
+    torch.set_num_threads(args.threads)
+    for name in args.sets or list(sets.HALVES[args.half]):
+        bench = Bench(args.regime, name, args.text, args.cache, args.rounds, args.steps)
+        pooled = bench.pooled()
+        blocks = np.concatenate([bench.blocks[s] for s in bench.sites])
+        site = bench.run.sites[bench.sites[0]].train
+        steps = bench.run.rounds * site.max_steps
+        batch = site.global_batch * len(bench.sites)
+        for label, options in (
+            (f"pooled data, {steps} steps of {batch}", dataclasses.replace(
+                bench.run.pooled, global_batch=batch, micro_batch=site.micro_batch, max_steps=steps)),
+            (f"pooled data, {steps} steps of {site.global_batch}", dataclasses.replace(
+                bench.run.pooled, max_steps=steps)),
+        ):  # fmt: skip
+            ppl = bench.perplexity(bench.train(bench.base_state, blocks, options, RoundPlan(), steps))
+            print(f"{name}: {label}: " + " ".join(f"{s} {ppl[s] / pooled[s]:.2f}x" for s in ppl), flush=True)
+        for s in bench.sites:
+            options = dataclasses.replace(bench.run.sites[s].train, max_steps=steps)
+            ppl = bench.perplexity(
+                bench.train(bench.base_state, bench.blocks[s], options, RoundPlan(), steps)
+            )
+            print(f"{name}: {s} alone, {steps} steps: {ppl[s] / pooled[s]:.2f}x", flush=True)
+    return 0
+
+
 def table(frame: pd.DataFrame) -> None:
     """Per strategy: the final gap on every site, the worst, and whether it is ever worse than FedAvg."""
     final = frame[frame.groupby(["set", "strategy"])["round"].transform("max") == frame["round"]]
@@ -353,7 +386,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("command", choices=["prepare", "run", "table"])
+    parser.add_argument("command", choices=["prepare", "run", "table", "bound"])
     parser.add_argument("--regime", choices=["scratch", "finetune", "lora"], default="scratch")
     parser.add_argument("--half", choices=sorted(sets.HALVES), default="confirmation")
     parser.add_argument("--sets", nargs="*", help="a few sets of the half (default: all of the regime's)")
@@ -375,6 +408,8 @@ def main(argv=None) -> int:
     if args.command == "prepare":
         sets.prepare(args.text)
         return 0
+    if args.command == "bound":
+        return bound(args)
     if args.command == "table":
         table(pd.read_csv(args.out / f"{args.regime}-{args.half}.csv"))
         return 0
