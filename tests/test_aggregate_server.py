@@ -186,3 +186,29 @@ def test_bad_server_options_fail_before_reading(tmp_path):
             aggregate_options(weights="uniform", server_optimizer={"name": "fedadam"}),
             start=tmp_path,
         )
+
+
+def test_a_start_model_in_another_float_dtype_is_taken(tmp_path):
+    """A hub base stored in fp16 under sites that export bf16 (the llama2 examples): the default
+    server optimizer reads the start, and its step is taken in fp32 whatever the start's dtype."""
+    g = torch.Generator().manual_seed(5)
+    base = {n: torch.randn(*s, generator=g) for n, s in NAMES.items()}
+    start = write_checkpoint(tmp_path / "base", {n: t.to(torch.float16) for n, t in base.items()})
+    sites = {s: near(base, g) for s in ("a", "b")}
+    models = {
+        s: write_checkpoint(tmp_path / s, {n: t.to(torch.bfloat16) for n, t in m.items()})
+        for s, m in sites.items()
+    }
+    out = tmp_path / "out"
+    aggregate(models, out, aggregate_options(weights="uniform", dtype="float32"), start=start,
+              server_state_out=tmp_path / "state")  # fmt: skip
+    got = read_output(out)
+    for name in NAMES:
+        start_value = base[name].to(torch.float16).float()
+        mean = sum(m[name].to(torch.bfloat16).float() for m in sites.values()) / 2
+        assert torch.allclose(got[name], start_value + (mean - start_value), atol=1e-6), name
+    # A site in another dtype than the first site is still refused.
+    models["b"] = write_checkpoint(tmp_path / "b16", {n: t.to(torch.float16) for n, t in sites["b"].items()})
+    with pytest.raises(AggregateError, match="tensor dtypes differ"):
+        aggregate(models, tmp_path / "out2", aggregate_options(weights="uniform"), start=start,
+                  server_state_out=tmp_path / "state2")  # fmt: skip

@@ -99,6 +99,9 @@ def _config_differences(ref: WeightFolder, other: WeightFolder) -> list[str]:
     return [f"{k}={b.get(k, '(absent)')!r} vs {a.get(k, '(absent)')!r}" for k in keys]
 
 
+FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
+
+
 def compatibility_problems(models: Sequence[WeightFolder], start: WeightFolder | None = None) -> list[str]:
     """Every way a site differs from the first one, one line each. The start model must hold the same
     tensors (its config and tokenizer files may have been saved by other code)."""
@@ -120,10 +123,13 @@ def compatibility_problems(models: Sequence[WeightFolder], start: WeightFolder |
         ]
         if shapes:
             problems.append(f"{who}: tensor shapes differ: {listing(shapes)}")
+        # The start model may hold another float dtype (a hub model in fp16, sites exporting bf16): task
+        # vectors are taken in fp32, so only a site must match the first site exactly.
         dtypes = [
             f"{n} {other.tensors[n].dtype} vs {ref.tensors[n].dtype}"
             for n in common
             if other.tensors[n].dtype != ref.tensors[n].dtype
+            and not (other is start and {other.tensors[n].dtype, ref.tensors[n].dtype} <= FLOAT_DTYPES)
         ]
         if dtypes:
             problems.append(f"{who}: tensor dtypes differ: {listing(dtypes)}")
