@@ -55,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import federation_sets as sets  # noqa: E402
 
 from fedtune.aggregate import server_optimizers  # noqa: E402
+from fedtune.aggregate.merge import normalised, resolve_weights  # noqa: E402
 from fedtune.core import config as fconfig  # noqa: E402
 from fedtune.core import models  # noqa: E402
 from fedtune.evaluate.scores import build_stream, score  # noqa: E402
@@ -239,7 +240,7 @@ class Bench:
         run = fconfig.build_run_config(self._with_files(config), base_dir=ROOT)
         aggregate = run.aggregate
         tokens = {s: self.blocks[s].size for s in self.sites}
-        weights = fconfig_weights(aggregate.weights, tokens)
+        weights = normalised(resolve_weights(aggregate.weights, self.sites, tokens)[1])
         state, server_state, rows = self.base_state, {}, []
         keep = run.site_optimizer == "keep"
         moments = {site: {} for site in self.sites}
@@ -249,8 +250,7 @@ class Bench:
             trained = {}
             for site in self.sites:
                 options = run.sites[site].train
-                key = json.dumps([site, fconfig._plain(options)], default=str)
-                key = json.dumps([key, keep])
+                key = json.dumps([site, fconfig._plain(options), keep], default=str)
                 if r == 1 and key in self.round_one:  # round 1 starts from the base for every strategy
                     trained[site], moments[site] = self.round_one[key]
                     moments[site] = copy.deepcopy(moments[site])
@@ -266,17 +266,6 @@ class Bench:
                     rows.append({"round": r, "site": site, "perplexity": value})
         print(f"  {label}: {time.time() - started:.0f} s", flush=True)
         return rows
-
-
-def fconfig_weights(weights, tokens: dict[str, int]) -> dict[str, float]:
-    if weights == "tokens":
-        raw = tokens
-    elif weights == "uniform":
-        raw = {s: 1.0 for s in tokens}
-    else:
-        raw = weights
-    total = sum(raw.values())
-    return {s: raw[s] / total for s in tokens}
 
 
 def merge(start: dict, trained: dict, weights: dict, optimizer, state: dict) -> tuple[dict, dict]:

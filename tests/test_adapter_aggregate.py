@@ -568,7 +568,7 @@ def test_server_optimizer_over_adapters_is_exactly_its_rule_on_the_dense_updates
         for name, update in want.items():
             assert rel_error(merged[name] - base[name], update) < 1e-6, (round_, name)
             assert rel_error(loaded[name] - base[name], update) < 1e-6, (round_, name)
-        record = json.loads((state / "server_state.json").read_text())
+        record = json.loads((state / "state.json").read_text())
         assert record["optimizer"]["name"] == server["name"]
         if server["name"] == "fedavgm":
             assert record["rank"] == 6 * round_  # the sites' ranks 4 + 2, stacked once per round

@@ -35,13 +35,16 @@ import torch
 
 from fedtune.aggregate.adapter_size import pattern_value
 from fedtune.aggregate.merge import (
+    STATE_RECORD,
     manifest_tokens,
     normalised,
     parse_pairs,
     parse_size,
+    read_state_record,
     resolve_weights,
 )
 from fedtune.aggregate.model_compat import CONFIG_FILE, COPIED_FILES
+from fedtune.aggregate.server_optimizers import OPTIMIZERS
 from fedtune.core import cli
 from fedtune.core.atomic import atomic_dir, write_json
 from fedtune.core.checksums import sha256_file
@@ -434,7 +437,6 @@ def _write_adapter(
 # The server optimizer on the merged low-rank update
 
 MOMENTUM_FILE = "momentum.safetensors"
-STATE_RECORD = "server_state.json"
 
 
 def server_factors(
@@ -457,10 +459,11 @@ def server_factors(
     whole = dict(whole or {})
     if optimizer.plain:
         return dict(factors), whole, None
-    if optimizer.name not in ("sgd", "fedavgm"):
+    if not OPTIMIZERS[optimizer.name].linear:
+        linear = " or ".join(o.name for o in OPTIMIZERS.values() if o.linear)
         raise AdapterAggregateError(
             f"aggregate.server_optimizer: {optimizer.name} keeps per-coordinate state that is not low-rank; "
-            "with train.adapter use sgd or fedavgm"
+            f"with train.adapter use {linear}"
         )
     if whole and start_whole is None:
         raise AdapterAggregateError(
@@ -552,19 +555,6 @@ def _write_server_state(out: Path, optimizer: ServerOptimizerOptions, momentum) 
         record["rank"] = max(b.shape[1] for b, a in momentum.values() if a is not None)
     write_json(out / STATE_RECORD, record)
     return record
-
-
-def _check_server_state_in(state_in: Path | None, optimizer: ServerOptimizerOptions) -> None:
-    if state_in is None:
-        return
-    record_path = Path(state_in) / STATE_RECORD
-    if not record_path.is_file():
-        raise AdapterAggregateError(f"--server-state-in: {record_path} not found (not a server state folder)")
-    written_by = json.loads(record_path.read_text(encoding="utf-8")).get("optimizer", {}).get("name")
-    if written_by != optimizer.name:
-        raise AdapterAggregateError(
-            f"--server-state-in: {state_in} was written by server optimizer {written_by!r}, not {optimizer.name!r}"
-        )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -721,7 +711,9 @@ def aggregate_adapters(
             f"aggregate.server_optimizer: {optimizer.name} needs adapter_merge exact (average_factors is "
             "not the sites' mean update, so a step on it is not the optimizer's)"
         )
-    _check_server_state_in(Path(server_state_in) if server_state_in else None, optimizer)
+    state_path = Path(server_state_in) if server_state_in else None
+    if state_path is not None:
+        read_state_record(state_path, optimizer, AdapterAggregateError)
     pairs = _site_folders(adapters)
     shard_limit = parse_size(max_shard_size)
     loaded = [read_adapter(site, path) for site, path in pairs]
@@ -739,7 +731,6 @@ def aggregate_adapters(
     n_weights = [weighting["normalised"][a.site] for a in loaded]
     factors, whole, rank, scale = aggregate_factors(loaded, tensors, n_weights, mode)
     start_whole = None if optimizer.plain else _start_whole(Path(start) if start else None, whole)
-    state_path = Path(server_state_in) if server_state_in else None
     factors, whole, momentum = server_factors(factors, optimizer, state_path, whole, start_whole)
     rank = max(b.shape[1] for b, _ in factors.values()) if mode == "exact" else rank
     config = adapter_config(ref, mode, rank)

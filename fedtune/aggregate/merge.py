@@ -228,18 +228,25 @@ def plan_state(
 STATE_RECORD = "state.json"
 
 
-def read_server_state(path: Path, optimizer: ServerOptimizerOptions, order: Sequence[OutTensor]):
-    """(record, folder or None) of a previous round's server state, checked against this round."""
-    path = Path(path)
+def read_state_record(path: Path, optimizer: ServerOptimizerOptions, error: type[UserError]) -> dict:
+    """The record of a previous round's server state folder (whole models' or adapters'), which the
+    same server optimizer must have written."""
     record_path = path / STATE_RECORD
     if not record_path.is_file():
-        raise AggregateError(f"--server-state-in: {record_path} not found (not a server state folder)")
+        raise error(f"--server-state-in: {record_path} not found (not a server state folder)")
     record = json.loads(record_path.read_text(encoding="utf-8"))
     written_by = record.get("optimizer", {}).get("name")
     if written_by != optimizer.name:
-        raise AggregateError(
+        raise error(
             f"--server-state-in: {path} was written by server optimizer {written_by!r}, not {optimizer.name!r}"
         )
+    return record
+
+
+def read_server_state(path: Path, optimizer: ServerOptimizerOptions, order: Sequence[OutTensor]):
+    """(record, folder or None) of a previous round's server state, checked against this round."""
+    path = Path(path)
+    record = read_state_record(path, optimizer, AggregateError)
     if not slots(optimizer):
         return record, None
     folder = read_weights("server state", path, f"the server state {path}")
@@ -310,8 +317,9 @@ def aggregate(
     optimizer's step (not read when the method's weighted mean is the result: fedavg with sgd at lr 1).
     With neither state folder, fedavgm at lr 1 (the default) takes its first step, which is sgd at lr 1:
     a one-shot merge needs no state. The server optimizer's state is read from `server_state_in` (none
-    in the first round) and written to `server_state_out`. Every check (arguments, weights, compatibility) runs before the first byte is
-    written; the options were checked when they were made."""
+    in the first round) and written to `server_state_out`. Every check (arguments, weights,
+    compatibility) runs before the first byte is written; the options were checked when they were
+    made."""
     started = time.perf_counter()
     options = options or AggregateOptions.from_mapping({})
     method = METHODS[options.method]
