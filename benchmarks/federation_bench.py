@@ -91,7 +91,7 @@ def regime_config(regime: str, set_name: str, rounds: int | None = None, steps: 
     return config
 
 
-def strategy_config(base: dict, strategy: str, candidate: dict | None, sites: int) -> dict:
+def strategy_config(base: dict, strategy: str, candidate: dict | None) -> dict:
     """The config of one strategy: the aggregate section over the base config."""
     config = copy.deepcopy(base)
     defaults = fconfig.validate_section({}, "aggregate.schema.yaml", source="schema")["server_optimizer"]
@@ -121,8 +121,8 @@ class Bench:
         self.run = fconfig.build_run_config(self._with_files(self.base_config), base_dir=ROOT)
         self.sites = list(self.run.sites)
         self.texts = {
-            site.key: sets.site_documents(text_dir, site, self.half, TEST_DOCUMENTS[regime])
-            for site in sets.HALVES[self.half][set_name]
+            key: sets.site_documents(text_dir, site, self.half, TEST_DOCUMENTS[regime])
+            for key, site in self.specs.items()
         }
         self.model, self.tokenizer = self._base()
         self.base_state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
@@ -311,7 +311,7 @@ def run(args) -> int:
         pooled = bench.pooled()
         for strategy in strategies:
             label = args.label if strategy == "candidate" and args.label else strategy
-            config = strategy_config(bench.base_config, strategy, candidate, len(bench.sites))
+            config = strategy_config(bench.base_config, strategy, candidate)
             rows = pd.DataFrame(bench.federate(config, label))
             rows["gap"] = [p / pooled[s] for p, s in zip(rows.perplexity, rows.site, strict=True)]
             rows["pooled"] = [pooled[s] for s in rows.site]
