@@ -224,7 +224,7 @@ def _bring_time_limit_near(slurm_cluster, workdir, site, lead_s: int = 60) -> st
 
 
 def test_time_limit_checkpoints_exits_75_and_resumes_in_a_new_job(demo_run, slurm_cluster, tmp_path_factory):
-    """Both job paths through the executor: site alpha on the mpi path (2 nodes, srun launcher), site
+    """Both job paths through the executor: site alpha on the mpi path (2 nodes, torchrun launcher), site
     beta on the one-task path (`srun -n1 ... snakemake`, launcher local, one process). When a first job's
     time limit comes within a minute (scripts/clusters/slurm-local.sh: FEDTUNE_SIGNAL_BEFORE=60), the
     launcher sends SIGUSR1; training checkpoints and exits 75; the job fails without restarting training
@@ -236,7 +236,7 @@ def test_time_limit_checkpoints_exits_75_and_resumes_in_a_new_job(demo_run, slur
     config["train"].update(max_steps=LIMIT_STEPS, warmup_steps=1, checkpoint_every=0, log_every=10)
     common = {"mem_mb": 2000, "runtime": 10}
     sites = {
-        "alpha": {"nodes": 2, "processes_per_node": 1, "launcher": "srun", **common},
+        "alpha": {"nodes": 2, "processes_per_node": 1, "launcher": "torchrun", **common},
         "beta": {"nodes": 1, "processes_per_node": 1, "launcher": "local", **common},
     }
     # The uninterrupted reference: the same world sizes on this machine (local profile), meanwhile.
@@ -356,10 +356,16 @@ signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # as fedtune.train: a repeat must
 if rank == 0:
     state.write_text(str(done + 1))
 pathlib.Path(os.environ["FEDTUNE_RETRY_MARKER"]).touch()
+# As fedtune.train's checkpoint is collective, no rank exits before every rank has checkpointed: srun
+# ends a step's other tasks as soon as one exits non-zero.
+pathlib.Path(f"{name}.ack-{done + 1}-{rank}").touch()
+world, deadline = int(os.environ.get("WORLD_SIZE", "1")), time.monotonic() + 60
+while len(list(pathlib.Path().glob(f"{name}.ack-{done + 1}-*"))) < world and time.monotonic() < deadline:
+    time.sleep(0.1)
 sys.exit(75)
 """
 
-# `long` needs six slices (five time-limit stops) on two nodes through the torchrun launcher (the mpi job
+# `long` needs six slices (five time-limit stops) on two nodes through the srun launcher (the mpi job
 # path); `crash` stops once, then crashes, through the local launcher (the one-task path). Both rules
 # say `retries: 1` the way the training rules do (0 inside the job).
 SLICES_SNAKEFILE = """
@@ -373,7 +379,7 @@ rule long:
     retries: 0 if workflow.remote_exec else 1
     resources: nodes=2, tasks=2, mpi="srun", cpus_per_task=1, mem_mb=500, runtime=10
     shell:
-        "{{LAUNCH}} --cluster slurm-local --launcher torchrun --nodes 2 --procs-per-node 1"
+        "{{LAUNCH}} --cluster slurm-local --launcher srun --nodes 2 --procs-per-node 1"
         " -- python trainer.py long 5 finish >> long.log 2>&1"
 
 rule crash:
@@ -389,7 +395,7 @@ def test_time_limit_stops_requeue_the_job_and_use_no_retries(slurm_cluster, tmp_
     """Five time-limit stops (exit 75) of one training with `retries: 1`: each time scripts/launch requeues
     its Slurm job, which runs again under the same id and goes on from the checkpoint, and the training
     finishes, its retries untouched. A real crash after a stop still fails, and after its one retry
-    (a new Slurm job) the run stops. The signal goes through torchrun on two nodes (the mpi path) and
+    (a new Slurm job) the run stops. The signal goes through srun on two nodes (the mpi path) and
     through the local launcher (the one-task path). The launcher signals about 15 s into each slice
     (FEDTUNE_SIGNAL_BEFORE 585 s of a 10-minute limit; a signal in srun's first instant would kill srun
     before it forwards anything, exit 138); Slurm holds a requeued job about two minutes, which the
@@ -445,7 +451,7 @@ def test_time_limit_stops_requeue_the_job_and_use_no_retries(slurm_cluster, tmp_
     assert first == ["REQUEUED", "FAILED"] and second == ["FAILED"], runs
     log = (tmp_path / "long.log").read_text()
     for slice_ in range(1, 7):
-        # Each slice ran on both nodes, one rank each (torchrun's rendezvous numbers them either way).
+        # Each slice ran on both nodes, one rank each (in either order).
         ranks = re.findall(rf"long: rank (\d) on (n\d), slice {slice_}\n", log)
         assert sorted(rank for rank, _ in ranks) == ["0", "1"], log[-3000:]
         assert sorted(node for _, node in ranks) == ["n1", "n2"], log[-3000:]
