@@ -43,7 +43,7 @@ def test_the_lora_examples_are_valid_and_every_site_trains_an_adapter():
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"sites__beta__train": {"adapter": None}}, "train.adapter: set for alpha but not for beta"),
+        ({"sites__cs__train": {"adapter": None}}, "train.adapter: set for it but not for cs"),
         ({"aggregate__method": "ties"}, "aggregate.method: ties merges whole task vectors"),
         ({"aggregate__server_optimizer": {"name": "fedadam"}}, "aggregate.server_optimizer"),
         ({"aggregate__compare": ["ties"]}, "aggregate.compare: not available with train.adapter"),
@@ -52,9 +52,9 @@ def test_the_lora_examples_are_valid_and_every_site_trains_an_adapter():
             {
                 "aggregate__adapter_merge": "average_factors",
                 "aggregate__server_optimizer": {"name": "sgd"},
-                "sites__beta__train": {"adapter": {"r": 4}},
+                "sites__cs__train": {"adapter": {"r": 4}},
             },
-            "average_factors needs the same rank and target modules at every site (alpha r=8",
+            "average_factors needs the same rank and target modules at every site (it r=8",
         ),
         (
             {"train__device": "cpu", "train__adapter": {"quantize": "4bit"}},
@@ -72,11 +72,11 @@ def test_adapter_settings_that_cannot_federate_are_refused_by_key(changes, messa
 
 
 def test_exact_aggregation_takes_sites_of_different_ranks():
-    config = demo_lora(sites__beta__train={"adapter": {"r": 4, "alpha": 4}})
+    config = demo_lora(sites__cs__train={"adapter": {"r": 4, "alpha": 4}})
     run = build(config)
-    assert run.sites["alpha"].train.adapter.r == 8 and run.sites["beta"].train.adapter.r == 4
-    # Overrides merge into the top-level adapter section: beta keeps its target modules.
-    assert run.sites["beta"].train.adapter.target_modules == run.sites["alpha"].train.adapter.target_modules
+    assert run.sites["it"].train.adapter.r == 8 and run.sites["cs"].train.adapter.r == 4
+    # Overrides merge into the top-level adapter section: cs keeps its target modules.
+    assert run.sites["cs"].train.adapter.target_modules == run.sites["it"].train.adapter.target_modules
 
 
 def hub_cache(root: Path, repo: str, config: dict) -> Path:
