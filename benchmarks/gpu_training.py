@@ -1,14 +1,17 @@
 """Benchmark: training throughput (tokens/s), model FLOPs utilisation and peak memory of fedtune's backends
-beside the Hugging Face Trainer, on one GPU, with a ~1B-parameter Llama built from a config.
+beside the Hugging Face Trainer, on one GPU, with the largest Llama that fits it built from a config; a
+QLoRA run; and docs/scaling.md's memory formula beside each FSDP2 run's measured peak.
 
-    python benchmarks/gpu_training.py                 # on a GPU machine: 1.1B Llama, seq 2048, bf16
+    python benchmarks/gpu_training.py                 # on a GPU machine: 2.7B Llama, seq 2048, bf16
+    python benchmarks/gpu_training.py --arch 1b       # TinyLlama-1.1B's shape instead
     python benchmarks/gpu_training.py --smoke         # a tiny Llama on CPU, a few steps (tests run it)
 
-The model is TinyLlama-1.1B's architecture (hidden 2048, intermediate 5632, 22 layers, 32 heads, 4 key/value
-heads, 32000-token vocabulary, untied head) with random weights from a seed: nothing is downloaded. The
-data are random token ids from a seed, the same rows in the same order for every run. Every run has the
-same micro batch, accumulation, sequence length, steps, precision, AdamW (0.9/0.95, eps 1e-8) at a
-constant learning rate and clipping at 1.0; each runs in a fresh process (so its peak memory is its own):
+The model is Sheared-LLaMA-2.7B's architecture (hidden 2560, intermediate 6912, 32 layers, 20 heads,
+32000-token vocabulary, untied head; ARCHITECTURES) with random weights from a seed: nothing is
+downloaded. The data are random token ids from a seed, the same rows in the same order for every run.
+Every run has the same micro batch, accumulation, sequence length, steps, precision, AdamW (0.9/0.95, eps
+1e-8) at a constant learning rate and clipping at 1.0; each runs in a fresh process (so its peak memory is
+its own), and so does building the starting weights (the driver holds no CUDA context):
 
 - fsdp:            fedtune's train stage with its default speed options: fedtune.train.backends.build from
                    TrainOptions (backend fsdp, sharding full), whose AdamW is fused on CUDA and whose batches
@@ -16,6 +19,9 @@ constant learning rate and clipping at 1.0; each runs in a fresh process (so its
                    (micro batches with accumulation, the optimizer step, the loss all-reduce: one host sync);
 - fsdp_fast:       the same with the train options `compile: true` (torch.compile per decoder layer) and,
                    with --checkpoint-every N, `gradient_checkpointing: N` (every N-th layer);
+- qlora:           the base in NF4 (adapter.quantize 4bit, bitsandbytes), a LoRA adapter on every linear
+                   layer, sharding none, its own learning rate (--adapter-lr); on CPU, an unquantized base;
+- fsdp_fast_mb2:   fsdp_fast at twice the micro batch and half the accumulation (the same tokens per step);
 - deepspeed_zero2, deepspeed_zero3: the same loop, TrainOptions backend deepspeed, zero_stage 2 / 3;
 - hf_trainer:      transformers.Trainer on the same model and rows in the same order, bf16 autocast, fused
                    AdamW on CUDA, its defaults otherwise.
@@ -61,6 +67,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # fedtune, from the checkout: the GPU machine has it uninstalled
 
 # Dense (no sparsity) bf16 tensor-core peak, TFLOPS, by a piece of torch.cuda.get_device_name(); the first
 # match wins, so the more specific names come first. V100 has no bf16: its fp16 peak.
@@ -75,6 +82,18 @@ PEAK_TFLOPS = (
 )
 
 ARCHITECTURES = {
+    # Sheared-LLaMA-2.7B's shape (a pruned Llama-2, 32000-token vocabulary): the largest Llama shape whose
+    # fedtune run (FSDP2, one GPU, bf16, micro batch 1 x 2048, no recomputation) docs/scaling.md's plan
+    # fits in an 80 GB H100; a 3.4B one (OpenLLaMA-3B) needs activation checkpointing there.
+    "2.7b": {
+        "hidden_size": 2560,
+        "intermediate_size": 6912,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 20,
+        "num_key_value_heads": 20,
+        "vocab_size": 32000,
+        "tie_word_embeddings": False,
+    },
     # TinyLlama-1.1B's shape: a Llama-2 architecture at ~1B parameters.
     "1b": {
         "hidden_size": 2048,
@@ -100,11 +119,20 @@ ARCHITECTURES = {
 RUNS = {
     "fsdp_fast": {"backend": "fsdp", "sharding": "full", "compile": True},
     "hf_trainer": None,
+    # QLoRA: the base in NF4 (bitsandbytes), a LoRA adapter on every linear layer trained in bf16; its
+    # own learning rate (--adapter-lr). On CPU (--smoke) the same adapter over an unquantized base.
+    "qlora": {
+        "backend": "fsdp",
+        "sharding": "none",
+        "adapter": {"r": 16, "alpha": 32, "target_modules": "all-linear", "quantize": "4bit"},
+    },
+    # fsdp_fast with twice the micro batch and half the accumulation (the same tokens per step): larger
+    # matrix products against more activation memory.
+    "fsdp_fast_mb2": {"backend": "fsdp", "sharding": "full", "compile": True},
     "fsdp": {"backend": "fsdp", "sharding": "full"},
     "deepspeed_zero2": {"backend": "deepspeed", "zero_stage": 2},
     "deepspeed_zero3": {"backend": "deepspeed", "zero_stage": 3},
 }
-COLUMNS = ("tokens_per_s", "mfu", "mfu_causal", "peak_mem_mb", "first_loss", "final_loss", "wall_s")
 
 
 def peak_tflops(device_name: str) -> float | None:
@@ -184,12 +212,17 @@ def data_order(spec: dict):
     return blocks, order, micro
 
 
-def peak_memory_mb(device) -> float:
+def peak_memory(device) -> dict:
+    """The peak of live tensors (what docs/scaling.md's formula counts) and, on CUDA, of the caching
+    allocator's reserve (what the GPU must hold: live tensors plus fragmentation)."""
     import torch
 
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        return {
+            "peak_mem_mb": torch.cuda.max_memory_allocated(device) / 2**20,
+            "peak_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20,
+        }
+    return {"peak_mem_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 def synchronize(device) -> None:
@@ -213,14 +246,14 @@ def fedtune_worker(spec: dict) -> dict:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     options = TrainOptions.from_mapping(
         {
-            **RUNS[spec["name"]],
+            **run_options(spec),
             "nodes": 1,
             "processes_per_node": 1,
             "precision": spec["precision"],
             "device": spec["device"],
             "micro_batch": spec["micro_batch"],
             "global_batch": spec["micro_batch"] * spec["accumulation"],
-            "lr": spec["lr"],
+            "lr": lr_of(spec),
             "betas": [0.9, 0.95],
             "weight_decay": 0.0,
             "grad_clip": 1.0,
@@ -239,21 +272,45 @@ def fedtune_worker(spec: dict) -> dict:
     synchronize(job.device)
     for step in range(spec["steps"]):
         t0 = time.perf_counter()
-        loss, _, _, _ = train.train_step(run, step, spec["lr"], stop)
+        loss, _, _, _ = train.train_step(run, step, lr_of(spec), stop)
         losses.append(loss)
         durations.append(time.perf_counter() - t0)
-    out = {"durations": durations, "losses": losses, "peak_mem_mb": peak_memory_mb(job.device)}
+    out = {"durations": durations, "losses": losses, **peak_memory(job.device)}
+    if options.adapter:
+        out["trainable_params"] = sum(p.numel() for p in backend.model.parameters() if p.requires_grad)
     out["compiled_layers"] = speed.compiled_layers(backend.model if options.fsdp else backend.engine.module)
     out["options"] = options.to_dict()
     distributed.stop()
     return out
 
 
+COLUMNS = ("tokens_per_s", "mfu", "mfu_causal", "peak_mem_mb", "first_loss", "final_loss", "wall_s")
+
+# What a run changes in the shared settings (its micro batch), beside its train options.
+RUN_SPEC = {"fsdp_fast_mb2": lambda spec: {"micro_batch": 2 * spec["micro_batch"],
+                                           "accumulation": max(1, spec["accumulation"] // 2)}}  # fmt: skip
+
+
+def run_options(spec: dict) -> dict:
+    """RUNS[name], with QLoRA's 4-bit base left out on CPU (bitsandbytes needs CUDA): the smoke run then
+    rehearses the same adapter over an unquantized base."""
+    options = dict(RUNS[spec["name"]])
+    if "adapter" in options and spec["device"] == "cpu":
+        options["adapter"] = {**options["adapter"], "quantize": "none"}
+    return options
+
+
+def lr_of(spec: dict) -> float:
+    return spec["adapter_lr"] if "adapter" in RUNS[spec["name"]] else spec["lr"]
+
+
 def options_of(spec: dict) -> dict:
     """The speed options of a fedtune run: fsdp_fast compiles (unless --no-compile) and checkpoints every
     N-th layer; the others checkpoint every layer when --checkpoint-every is given."""
-    fast = spec["name"] == "fsdp_fast"
+    fast = spec["name"].startswith("fsdp_fast")
     every = spec["checkpoint_every"]
+    if spec["name"] == "qlora":  # the adapter's run: no compilation, recomputation as the others'
+        return {"compile": False, "gradient_checkpointing": bool(every)}
     return {
         "compile": fast and spec["compile"],
         "gradient_checkpointing": (every if fast else True) if every else False,
@@ -268,7 +325,9 @@ def save_model(spec: dict) -> int:
 
     from fedtune.core.models import record_checksums
 
-    model = build_model(spec)
+    # Drawn on the GPU where there is one: a few seconds there, minutes for 2.7B on the host.
+    with torch.device(spec["device"]):
+        model = build_model(spec)
     if spec["precision"] == "bf16":
         model = model.to(torch.bfloat16)
     model.save_pretrained(spec["model_dir"])
@@ -335,14 +394,26 @@ def trainer_worker(spec: dict) -> dict:
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     durations = [b - a for a, b in zip(times.ends[:-1], times.ends[1:], strict=True)]
-    return {"durations": durations, "losses": losses, "peak_mem_mb": peak_memory_mb(device)}
+    return {"durations": durations, "losses": losses, **peak_memory(device)}
+
+
+def build_worker(spec: dict) -> dict:
+    import torch
+
+    name = torch.cuda.get_device_name(0) if spec["device"] == "cuda" else "CPU (smoke)"
+    return {"parameters": save_model(spec), "device_name": name}
 
 
 def worker(spec: dict) -> None:
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning)
-    out = trainer_worker(spec) if spec["name"] == "hf_trainer" else fedtune_worker(spec)
+    if spec["name"] == "build":  # in its own process too: the driver holds no CUDA context or memory
+        out = build_worker(spec)
+    elif spec["name"] == "hf_trainer":
+        out = trainer_worker(spec)
+    else:
+        out = fedtune_worker(spec)
     Path(spec["result"]).write_text(json.dumps(out))
 
 
@@ -397,23 +468,51 @@ def summarise(spec: dict, raw: dict, flops: dict, peak: float | None) -> dict:
     measured = raw["durations"][spec["measure_after"] :]
     tokens_per_step = spec["micro_batch"] * spec["accumulation"] * spec["seq"]
     tokens_per_s = len(measured) * tokens_per_step / sum(measured)
+    # MFU counts a full model's 6 N: an adapter's run (frozen base, no weight gradients) has none.
+    counted = peak is not None and "adapter" not in (RUNS[spec["name"]] or {})
     row = {
         "tokens_per_s": round(tokens_per_s, 1),
         "median_step_s": round(statistics.median(measured), 4),
-        "mfu": None if peak is None else round(tokens_per_s * flops["total"] / (peak * 1e12), 4),
-        "mfu_causal": None
-        if peak is None
-        else round(tokens_per_s * flops["total_causal"] / (peak * 1e12), 4),
+        "mfu": round(tokens_per_s * flops["total"] / (peak * 1e12), 4) if counted else None,
+        "mfu_causal": round(tokens_per_s * flops["total_causal"] / (peak * 1e12), 4) if counted else None,
         "peak_mem_mb": round(raw["peak_mem_mb"], 1),
         "first_loss": round(raw["losses"][0], 6),
         "final_loss": round(raw["losses"][-1], 6),
         "steps": len(raw["durations"]),
         "wall_s": round(raw["wall_s"], 1),
     }
-    for key in ("compiled_layers", "options"):
+    for key in ("peak_reserved_mb", "trainable_params", "compiled_layers", "options"):
         if key in raw:
             row[key] = raw[key]
+    row.update(planned_memory(spec))
     return row
+
+
+def planned_memory(spec: dict) -> dict:
+    """docs/scaling.md's formula (fedtune.train.memory_plan) for an FSDP2 run's device memory, beside
+    what it measured: the formula counts live tensors, as torch.cuda.max_memory_allocated does."""
+    from fedtune.train import memory_plan
+
+    options = RUNS[spec["name"]]
+    if not options or options.get("backend") != "fsdp" or options.get("sharding") != "full":
+        return {}
+    a = spec["architecture"]
+    shape = memory_plan.Shape(
+        spec["name"], a["hidden_size"], a["num_hidden_layers"], a["num_attention_heads"],
+        a.get("num_key_value_heads", a["num_attention_heads"]), a["intermediate_size"], a["vocab_size"],
+        tied=a.get("tie_word_embeddings", False),
+    )  # fmt: skip
+    setup = memory_plan.Setup(
+        "full", 1, precision=spec["precision"], micro_batch=spec["micro_batch"], seq=spec["seq"],
+        checkpointing=bool(spec["checkpoint_every"]),
+    )  # fmt: skip
+    parts = memory_plan.per_device(shape, setup)
+    return {"plan_mem_mb": round(parts["total"] / 2**20, 1),
+            "plan_parts_mb": {k: round(v / 2**20, 1) for k, v in parts.items()}}  # fmt: skip
+
+
+def mb(value) -> str:
+    return "-" if value is None else f"{value:,.0f}"
 
 
 def markdown(report: dict) -> str:
@@ -422,12 +521,13 @@ def markdown(report: dict) -> str:
         f"{report['settings']['seq']}, {report['settings']['precision']}, "
         f"{report['settings']['tokens_per_step']} tokens per step",
         "",
-        "| run | tokens/s | vs Trainer | MFU | MFU (causal) | peak memory MB | first loss | final loss |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| run | tokens/s | vs Trainer | MFU | MFU (causal) | peak memory MB | reserved MB | planned MB "
+        "| first loss | final loss |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, row in report["runs"].items():
         if "error" in row:
-            lines.append(f"| {name} | {row['error']} | | | | | | |")
+            lines.append(f"| {name} | {row['error']} | | | | | | | | |")
             continue
         ratio = report["ratio_to_hf_trainer"].get(name, 1.0 if name == "hf_trainer" else None)
 
@@ -437,6 +537,7 @@ def markdown(report: dict) -> str:
         lines.append(
             f"| {name} | {row['tokens_per_s']:,.0f} | {'-' if ratio is None else f'{ratio:.2f}'} | "
             f"{pct(row['mfu'])} | {pct(row['mfu_causal'])} | {row['peak_mem_mb']:,.0f} | "
+            f"{mb(row.get('peak_reserved_mb'))} | {mb(row.get('plan_mem_mb'))} | "
             f"{row['first_loss']:.4f} | {row['final_loss']:.4f} |"
         )
     return "\n".join(lines)
@@ -449,8 +550,10 @@ def parse_args(argv=None):
     parser.add_argument("--smoke", action="store_true", help="tiny model, CPU, fp32, a few steps")
     parser.add_argument("--runs", default="all", help=f"comma-separated subset of {','.join(RUNS)}")
     parser.add_argument("--seq", type=int, help="sequence length (2048; smoke 64)")
-    parser.add_argument("--micro-batch", type=int, help="sequences per micro batch (4; smoke 2)")
-    parser.add_argument("--accumulation", type=int, default=2, help="micro batches per optimizer step")
+    parser.add_argument("--micro-batch", type=int, help="sequences per micro batch (1; smoke 2)")
+    parser.add_argument("--arch", choices=[a for a in ARCHITECTURES if a != "smoke"], default="2.7b",
+                        help="the model's shape (ARCHITECTURES; default 2.7b)")  # fmt: skip
+    parser.add_argument("--accumulation", type=int, help="micro batches per optimizer step (8; smoke 2)")
     parser.add_argument("--steps", type=int, help="optimizer steps per run (20; smoke 3)")
     parser.add_argument("--measure-after", type=int, help="steps left out of tokens/s (5; smoke 1)")
     parser.add_argument("--checkpoint-every", type=int, default=0,
@@ -458,6 +561,7 @@ def parse_args(argv=None):
     parser.add_argument("--no-compile", action="store_true", help="fsdp_fast without torch.compile")
     parser.add_argument("--peak-tflops", type=float, help="the device's peak, where PEAK_TFLOPS lacks it")
     parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--adapter-lr", type=float, default=1e-3, help="the qlora run's learning rate")
     parser.add_argument("--out", type=Path, help="also write the JSON report here")
     parser.add_argument("--budget-s", type=float, default=480.0,
                         help="start no run after this many seconds, and stop a run that reaches it")  # fmt: skip
@@ -483,12 +587,12 @@ def main(argv=None) -> int:
     unknown = sorted(set(names) - set(RUNS))
     if unknown:
         sys.exit(f"gpu_training.py: --runs: unknown {unknown}; choose from {list(RUNS)}")
-    architecture = ARCHITECTURES["smoke" if smoke else "1b"]
+    architecture = ARCHITECTURES["smoke" if smoke else args.arch]
     spec = {
         "architecture": architecture,
         "seq": args.seq or (64 if smoke else 2048),
-        "micro_batch": args.micro_batch or (2 if smoke else 4),
-        "accumulation": args.accumulation,
+        "micro_batch": args.micro_batch or (2 if smoke else 1),
+        "accumulation": args.accumulation or (2 if smoke else 8),
         "steps": args.steps or (3 if smoke else 20),
         "measure_after": args.measure_after if args.measure_after is not None else (1 if smoke else 5),
         "precision": "fp32" if smoke else "bf16",
@@ -497,12 +601,11 @@ def main(argv=None) -> int:
         # Compiling on CPU takes minutes and measures nothing the smoke test needs.
         "compile": not (smoke or args.no_compile),
         "lr": args.lr,
+        "adapter_lr": args.adapter_lr,
         "seed": 1234,
     }
     if spec["steps"] <= spec["measure_after"]:
         sys.exit("gpu_training.py: --steps must exceed --measure-after")
-    device_name = torch.cuda.get_device_name(0) if not smoke else "CPU (smoke)"
-    peak = args.peak_tflops or (None if smoke else peak_tflops(device_name))
     flops = flops_per_token(architecture, spec["seq"])
     if args.logs:
         args.logs.mkdir(parents=True, exist_ok=True)
@@ -510,15 +613,23 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="fedtune-gpu-bench-", dir=args.workdir) as tmp:
         work = Path(tmp)
         spec["model_dir"] = str(work / "model")
-        parameters = save_model(spec)
+        built = run_one({**spec, "name": "build"}, work, args.budget_s, args.logs)
+        if "error" in built:
+            sys.exit(f"gpu_training.py: building the starting weights failed: {built['error']}")
+        device_name, parameters = built["device_name"], built["parameters"]
+        peak = args.peak_tflops or (None if smoke else peak_tflops(device_name))
         for name in names:
             left = args.budget_s - (time.perf_counter() - started)
             if left <= 0:
                 runs[name] = {"error": f"not started: --budget-s {args.budget_s:.0f} spent"}
                 continue
             print(f"[gpu benchmark] {name} ...", file=sys.stderr, flush=True)
-            runs[name] = summarise(spec, run_one({**spec, "name": name}, work, left, args.logs), flops, peak)
+            one = {**spec, "name": name}
+            one.update(RUN_SPEC[name](spec) if name in RUN_SPEC else {})
+            runs[name] = summarise(one, run_one(one, work, left, args.logs), flops, peak)
             print(f"[gpu benchmark] {name}: {json.dumps(runs[name])}", file=sys.stderr, flush=True)
+            if args.out:  # what was measured survives a stop at the call's time limit
+                args.out.write_text(json.dumps({"device": device_name, "runs": runs}, indent=2) + "\n")
     ok = {n: r for n, r in runs.items() if "error" not in r}
     ratios = {}
     if "hf_trainer" in ok:

@@ -1,5 +1,6 @@
 """benchmarks/gpu_training.py: its FLOPs formula and peak table, and its --smoke mode end to end on CPU
-(every run: the HF Trainer, fedtune's FSDP2 with and without fedtune.train.speed, DeepSpeed ZeRO-2/3)."""
+(every run: the HF Trainer, fedtune's FSDP2 with and without fedtune.train.speed, the QLoRA run's adapter,
+DeepSpeed ZeRO-2/3), with docs/scaling.md's memory formula beside each FSDP2 run's peak."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def test_peak_table_prefers_the_specific_name():
     assert gpu_training.peak_tflops("some CPU") is None
 
 
-@pytest.mark.parametrize("name", ["smoke", "1b"])
+@pytest.mark.parametrize("name", ["smoke", "1b", "2.7b"])
 def test_flops_count_every_matmul_parameter(name):
     """N of 6N is every parameter but the input embedding and the norms: checked against a real model."""
     import torch
@@ -44,6 +45,8 @@ def test_flops_count_every_matmul_parameter(name):
     assert flops["total_causal"] == 6 * flops["matmul_params"] + 6 * layers * 2049 * d
     if name == "1b":
         assert 1.0e9 < total < 1.2e9
+    if name == "2.7b":  # Sheared-LLaMA-2.7B: 2.70B parameters
+        assert 2.6e9 < total < 2.8e9
 
 
 def test_smoke_run_reports_every_backend(tmp_path):
@@ -63,8 +66,16 @@ def test_smoke_run_reports_every_backend(tmp_path):
     for name, row in report["runs"].items():
         assert set(gpu_training.COLUMNS) <= set(row), name
         assert row["tokens_per_s"] > 0 and row["steps"] == settings["steps"], name
-        assert row["mfu"] == pytest.approx(row["tokens_per_s"] * flops / (peak * 1e12), rel=1e-3, abs=1e-4)
-        assert 0 < row["mfu_causal"] < row["mfu"]
+        if name == "qlora":
+            # An adapter's run: no MFU (the frozen base has no weight gradients), a small trainable part.
+            assert row["mfu"] is None and 0 < row["trainable_params"] < 0.5 * report["settings"]["parameters"]
+        else:
+            assert row["mfu"] == pytest.approx(
+                row["tokens_per_s"] * flops / (peak * 1e12), rel=1e-3, abs=1e-4
+            )
+            assert 0 < row["mfu_causal"] < row["mfu"]
+        # The memory formula is set beside FSDP2's full-sharding runs only.
+        assert ("plan_mem_mb" in row) == (name in ("fsdp", "fsdp_fast", "fsdp_fast_mb2")), name
         assert 50 < row["peak_mem_mb"] < 8000, name
         # Random tokens and a random model: the loss starts near ln(vocabulary).
         assert abs(row["first_loss"] - math.log(settings["architecture"]["vocab_size"])) < 0.3, name
@@ -78,5 +89,8 @@ def test_smoke_run_reports_every_backend(tmp_path):
     assert "| fsdp_fast |" in result.stderr
     # The runs use the train stage's options: fsdp_fast checkpoints every 2nd layer, the others every one.
     assert report["runs"]["fsdp_fast"]["options"]["gradient_checkpointing"] == 2
+    # QLoRA's 4-bit base needs CUDA: on CPU the same adapter trains over the unquantized base.
+    assert report["runs"]["qlora"]["options"]["adapter"]["quantize"] == "none"
+    assert report["runs"]["qlora"]["options"]["sharding"] == "none"
     assert report["runs"]["fsdp"]["options"]["gradient_checkpointing"] is True
     assert report["runs"]["deepspeed_zero3"]["options"]["zero_stage"] == 3

@@ -9,11 +9,14 @@ import os
 import subprocess
 import sys
 import unittest.mock
+from pathlib import Path
 
 import pytest
 
 from fedtune.train import memory_plan as mp
 from tests.train_runs import BLOCK_SIZE, env, make_site_data, run_training
+
+ROOT = Path(__file__).resolve().parent.parent
 
 pytest_plugins = ["tests.train_fixtures"]
 
@@ -48,6 +51,48 @@ def test_70b_fits_nowhere_on_one_40gb_node_without_offload():
     for mode in mp.MODES:
         setup = mp.Setup(mode, gpus_per_node=8, checkpointing=True)
         assert not mp.fits(mp.per_device(shape, setup)["total"], 40 * 10**9), mode
+
+
+def test_adamw_temporaries_count_on_cpu_only():
+    """fedtune's AdamW is fused on CUDA (no parameter-sized temporaries) and foreach on CPU (4 P / S)."""
+    shape = mp.LLAMA2["7B"]
+    setup = mp.Setup("full", gpus_per_node=4)
+    gpu, cpu = mp.per_device(shape, setup), mp.cpu_process(shape, setup)
+    assert gpu["optimizer_temporaries"] == 0
+    assert cpu["optimizer_temporaries"] == 4 * shape.params // 4
+    assert cpu["total"] - gpu["total"] == cpu["optimizer_temporaries"]
+    zero = mp.Setup("zero3", gpus_per_node=4)
+    assert mp.per_device(shape, zero)["optimizer_temporaries"] == 0
+    assert mp.cpu_process(shape, zero)["optimizer_temporaries"] == 4 * shape.params // 4
+
+
+H100_RESULTS = sorted((ROOT / "benchmarks" / "results" / "gpu").glob("*-h100-*.json"))
+
+
+@pytest.mark.parametrize("path", H100_RESULTS, ids=lambda p: p.stem)
+def test_formula_is_within_10_percent_of_the_h100_measurement(path):
+    """The FSDP2 peaks that benchmarks/gpu_training.py measured on an H100 (recorded under
+    benchmarks/results/gpu), against the formula as it stands now: within 10%, never below the live peak,
+    and the fits rule's reserve covers what the caching allocator held."""
+    report = json.loads(path.read_text())
+    settings = report["settings"]
+    a = settings["architecture"]
+    shape = mp.Shape("h100", a["hidden_size"], a["num_hidden_layers"], a["num_attention_heads"],
+                     a["num_key_value_heads"], a["intermediate_size"], a["vocab_size"])  # fmt: skip
+    assert shape.params == settings["parameters"]
+    checked = 0
+    for name, row in report["runs"].items():
+        if "plan_mem_mb" not in row:
+            continue
+        mb = settings["micro_batch"] * (2 if name == "fsdp_fast_mb2" else 1)
+        setup = mp.Setup("full", gpus_per_node=1, micro_batch=mb, seq=settings["seq"])
+        planned = mp.per_device(shape, setup)["total"] / 2**20
+        measured, reserved = row["peak_mem_mb"], row["peak_reserved_mb"]
+        assert measured <= planned <= 1.10 * measured, (name, measured, planned)
+        held = planned * (1 + mp.CUDA_RESERVE_SHARE) + mp.CUDA_RESERVE_BYTES / 2**20
+        assert reserved <= held, (name, reserved, held)
+        checked += 1
+    assert checked, f"{path}: no FSDP2 run to check"
 
 
 # -- the formula against a measured CPU peak -----------------------------------------------------------

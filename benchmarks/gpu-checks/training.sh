@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# GPU check of issue 15's speed goals in one call: benchmarks/gpu_training.py's runs (fedtune FSDP2 bf16
-# with the speed options, plain FSDP2, DeepSpeed ZeRO-2 and ZeRO-3, the HF Trainer) on one H100/H200,
-# within BUDGET_S seconds (default 480: a 10-minute device session less its start). Writes only under
-# $OUT: gpu-training.json, gpu-training.md (the table for benchmarks/README.md) and one log per run; the
-# starting weights and every cache live in a temporary folder that is removed at the end.
+# GPU check of the speed goals in one call: benchmarks/gpu_training.py's runs (fedtune FSDP2 bf16 with
+# the speed options, the HF Trainer, QLoRA, plain FSDP2, DeepSpeed ZeRO-2 and ZeRO-3 where deepspeed is
+# there) on one H100/H200, within BUDGET_S seconds (default 400: a 10-minute device call less its start
+# and the pytest check of all.sh). Writes only under $OUT: gpu.txt, gpu-training.json, gpu-training.md
+# (the table for benchmarks/README.md), gpu-training.log and run-logs.txt (the end of each run's log);
+# the starting weights and every cache live in a temporary folder that is removed at the end.
 #
 #     OUT=/tmp/out benchmarks/gpu-checks/training.sh                      # wheels already installed
 #     WHEELS=build/wheels OUT=$OUT benchmarks/gpu-checks/training.sh      # carry jsonschema, deepspeed
@@ -24,11 +25,16 @@ runs=all
 if ! python3 -c "import deepspeed" 2>/dev/null; then
     # The goal's pair does not need DeepSpeed; say what was left out rather than fail every run.
     echo "deepspeed missing: the ZeRO runs are left out" | tee -a "$OUT/gpu.txt"
-    runs=fsdp_fast,hf_trainer,fsdp
+    runs=fsdp_fast,hf_trainer,qlora,fsdp_fast_mb2,fsdp
 fi
-python3 benchmarks/gpu_training.py --runs "$runs" --budget-s "${BUDGET_S:-480}" --workdir "$work" \
-    --logs "$OUT/logs" --out "$OUT/gpu-training.json" "$@" > /dev/null 2> "$OUT/gpu-training.log"
+python3 benchmarks/gpu_training.py --runs "$runs" --budget-s "${BUDGET_S:-400}" --workdir "$work" \
+    --logs "$work/logs" --out "$OUT/gpu-training.json" "$@" > /dev/null 2> "$OUT/gpu-training.log"
 rc=$?
+# One file for every run's log: the device call returns at most 8 files.
+for log in "$work"/logs/*.log; do
+    echo "=== $(basename "$log")"
+    tail -n 80 "$log"
+done > "$OUT/run-logs.txt" 2>/dev/null
 # The Markdown table is the end of stderr, from its title line on; the JSON is in gpu-training.json.
 sed -n '/parameters, seq/,$p' "$OUT/gpu-training.log" > "$OUT/gpu-training.md"
 grep '^\[gpu benchmark\]' "$OUT/gpu-training.log" | cut -c1-400

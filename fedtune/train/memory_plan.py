@@ -13,12 +13,14 @@ group of S devices, a world of W, low-precision bytes l (2 for bf16/fp16, 4 for 
                                                        (current + prefetched); hybrid_zero2 keeps every
                                                        layer gathered from its forward to its backward
       unsharded gradients  (l + 4) max(Lp, R)          one unit's gradient and its fp32 reduce copy
-      optimizer step       4 P / S                     foreach AdamW's parameter-sized temporaries
+      optimizer step       4 P / S on CPU, 0 on a GPU  foreach AdamW's parameter-sized temporaries; on
+                                                       CUDA fedtune's AdamW is fused and holds none
     DeepSpeed ZeRO (bf16 weights in the module, fp32 master weights in the optimizer)
       ZeRO-2               l P + l P / W + 16 P / W + bucket   (replicated weights; gradients,
                                                                master, fp32 gradient, Adam sharded)
       ZeRO-3               (l + l + 16) P / W + l (R + 2 Lp) + bucket
-      (both, + 4 P / W for the optimizer step's temporaries unless the optimizer is offloaded)
+      (both, + 4 P / W for the optimizer step's temporaries on CPU, where torch's AdamW is foreach;
+       none on a GPU, where it is fused, nor with the optimizer offloaded)
       offload_optimizer    moves the 16 P / W (master, fp32 gradient, Adam) to host memory
       offload_params       (ZeRO-3) moves the l P / W weight shards to host memory
       bucket               DeepSpeed's reduce bucket, min(P, 5e8) elements of l bytes
@@ -31,20 +33,27 @@ group of S devices, a world of W, low-precision bytes l (2 for bf16/fp16, 4 for 
                            its log-softmax).
 
 A configuration fits a GPU when this total plus CUDA_RESERVE (context, workspace, allocator
-fragmentation) is at most the GPU's memory."""
+fragmentation) is at most the GPU's memory.
+
+Measured on one H100 80GB (benchmarks/gpu_training.py, 2026-11-27; a 2.70B Llama, FSDP2 full, bf16,
+seq 2048): the peak of live tensors (torch.cuda.max_memory_allocated) was 50.2 GB with torch.compile and
+52.5 GB without at micro batch 1, 56.4 GB compiled at micro batch 2, against 53.0 / 53.0 / 61.1 GB from
+this formula (+5%, +1%, +8%; compiled layers keep fewer activations than the eager count here). The
+caching allocator reserved 1.23-1.29x the live peak under FSDP2: CUDA_RESERVE_SHARE is set from that."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fedtune.core import cli
 from fedtune.core.config import UserError
 
 GiB = 2**30
 # CUDA context (~0.5-1 GB), cuBLAS/NCCL workspaces and the caching allocator's fragmentation: a fixed
-# part and a share of the rest. A plan, not a measurement: the GPU benchmark's peak refines it.
+# part and a share of the rest. The share is measured: on an H100, FSDP2's reserved peak was 1.23-1.29x
+# its live peak (module docstring), so 2 GiB + 25% covers every run measured there.
 CUDA_RESERVE_BYTES = 2 * GiB
-CUDA_RESERVE_SHARE = 0.10
+CUDA_RESERVE_SHARE = 0.25
 DEEPSPEED_BUCKET = 500_000_000  # elements: reduce_bucket_size's default
 FSDP_MODES = ("full", "hybrid", "hybrid_zero2")
 ZERO_MODES = ("zero2", "zero3")
@@ -119,6 +128,8 @@ class Setup:
     checkpointing: bool = False
     offload_optimizer: bool = False
     offload_params: bool = False
+    # "cuda": fedtune's AdamW is fused (no parameter-sized temporaries); "cpu": foreach, which has them.
+    device: str = "cuda"
 
     @property
     def world(self) -> int:
@@ -135,6 +146,8 @@ class Setup:
             raise UserError(f"{self.mode}: offload is a DeepSpeed option (zero2, zero3)")
         if self.offload_params and self.mode != "zero3":
             raise UserError("offload_params needs zero3")
+        if self.device not in ("cuda", "cpu"):
+            raise UserError(f"device: {self.device!r} is not cuda or cpu")
 
 
 def activations(shape: Shape, setup: Setup) -> int:
@@ -163,7 +176,7 @@ def per_device(shape: Shape, setup: Setup) -> dict[str, int]:
         parts["sharded_state"] = 16 * P // S
         parts["working_params"] = lo * P if setup.mode == "hybrid_zero2" else lo * R + 2 * lo * Lp
         parts["unsharded_grads"] = (lo + (4 if lo < 4 else 0)) * max(Lp, R)
-        parts["optimizer_temporaries"] = 4 * P // S
+        parts["optimizer_temporaries"] = 4 * P // S if setup.device == "cpu" else 0
     else:
         bucket = min(P, DEEPSPEED_BUCKET) * lo
         optimizer = 0 if setup.offload_optimizer else 16 * P // W
@@ -175,7 +188,8 @@ def per_device(shape: Shape, setup: Setup) -> dict[str, int]:
             parts["grad_shard"] = lo * P // W
             parts["working_params"] = lo * (R + 2 * Lp)
         parts["optimizer_state"] = optimizer
-        parts["optimizer_temporaries"] = 0 if setup.offload_optimizer else 4 * P // W
+        foreach = setup.device == "cpu" and not setup.offload_optimizer
+        parts["optimizer_temporaries"] = 4 * P // W if foreach else 0
         parts["bucket"] = bucket
     parts["activations"] = activations(shape, setup)
     parts["total"] = sum(parts.values())
@@ -201,9 +215,9 @@ def fits(total: int, gpu_bytes: int) -> bool:
 
 
 def cpu_process(shape: Shape, setup: Setup) -> dict[str, int]:
-    """The same components for one CPU process in fp32: what its peak resident memory adds to the
-    interpreter's (tests/test_memory_plan.py measures it)."""
-    return per_device(shape, setup)
+    """The same components for one CPU process (foreach AdamW's temporaries included): what its peak
+    resident memory adds to the interpreter's (tests/test_memory_plan.py measures it)."""
+    return per_device(shape, replace(setup, device="cpu"))
 
 
 # -- time per epoch ----------------------------------------------------------------------------------
