@@ -140,6 +140,11 @@ BAD = [
     ("block size below minimum", edit("tokenize.block_size", 2), "tokenize.block_size"),
     ("unknown mode", edit("tokenize.mode", "chunks"), "tokenize.mode"),
     ("missing data file", edit("sites.alpha.dataset.data_files.train", "data/nope.jsonl"), "data/nope.jsonl"),
+    (
+        "data files of no known format",
+        edit("sites.alpha.dataset.data_files.test", "data/test.xml"),
+        "sites.alpha.dataset.data_files: cannot tell one format from the suffixes ['.jsonl', '.xml']",
+    ),
     ("template without {text}", edit("sites.alpha.prompt_template", "Write:"), "sites.alpha.prompt_template"),
     (
         "template with another field",

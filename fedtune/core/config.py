@@ -592,6 +592,10 @@ class ModelOptions(_Options):
             raise ConfigError(f"{where}path: GGUF file not found: {base_dir / self.path}")
 
 
+# The datasets loader of each data file suffix (dataset.format: auto).
+FILE_FORMATS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet", ".csv": "csv"}
+
+
 @dataclass(frozen=True)
 class DatasetOptions(_Options):
     """sites.<name>.dataset: where a site's text comes from. `splits` maps fedtune's train and test to the
@@ -635,14 +639,29 @@ class DatasetOptions(_Options):
         )
 
     def check(self, where: str, *, base_dir: Path | None = None) -> None:
-        """Local data files exist (relative to base_dir); `where` prefixes the key named in the error
-        ("file: sites.x.dataset.")."""
+        """Local data files have one format and exist (relative to base_dir); `where` prefixes the key
+        named in the error ("file: sites.x.dataset.")."""
         if self.source != "local":
             return
+        if self.loader is None:
+            suffixes = sorted({Path(f).suffix for files in self.data_files.values() for f in files})
+            raise ConfigError(
+                f"{where}data_files: cannot tell one format from the suffixes {suffixes}; "
+                "set the dataset's format to one of json, text, parquet, csv"
+            )
         for split, files in self.data_files.items():
             for file in files:
                 if not (Path(base_dir or ".") / file).is_file():
                     raise ConfigError(f"{where}data_files.{split}: file not found: {file}")
+
+    @property
+    def loader(self) -> str | None:
+        """The datasets loader of the local data files: `format`, else the one their suffixes name (None
+        where they name none or several, which `check` refuses)."""
+        if self.format != "auto":
+            return self.format
+        formats = {FILE_FORMATS.get(Path(f).suffix) for files in self.data_files.values() for f in files}
+        return formats.pop() if len(formats) == 1 else None
 
 
 @dataclass(frozen=True)

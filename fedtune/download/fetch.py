@@ -41,24 +41,10 @@ from fedtune.core.config import (
 )
 
 SPLITS = ("train", "test")
-FORMATS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet", ".csv": "csv"}
 
 
 class DownloadError(UserError):
     """A dataset that cannot be used: the message names the dataset, split or column."""
-
-
-def _format(options: DatasetOptions) -> str:
-    if options.format != "auto":
-        return options.format
-    suffixes = {Path(f).suffix for files in options.data_files.values() for f in files}
-    formats = {FORMATS.get(s) for s in suffixes}
-    if None in formats or len(formats) != 1:
-        raise ConfigError(
-            f"dataset.data_files: cannot tell one format from the suffixes {sorted(suffixes)}; "
-            f"set dataset.format to one of json, text, parquet, csv"
-        )
-    return formats.pop()
 
 
 def load_splits(options: DatasetOptions, num_labels: int | None = None):
@@ -74,7 +60,7 @@ def load_splits(options: DatasetOptions, num_labels: int | None = None):
                         f"dataset.data_files.{split}: {file} is empty: the {split} split holds no documents"
                     )
         files = {split: list(paths) for split, paths in options.data_files.items()}
-        loaded = load_dataset(_format(options), data_files=files)
+        loaded = load_dataset(options.loader, data_files=files)
         names = {"train": "train", "test": "test" if "test" in files else None}
         label = ", ".join(files["train"])
     else:
