@@ -153,9 +153,9 @@ class Bench:
             spec = self.run.model
             corpus = [t for train, _ in self.texts.values() for t in train]
             tokenizer = models.train_tokenizer(
-                corpus, spec["tokenizer"]["vocab_size"], spec["tokenizer"]["min_frequency"]
+                corpus, spec.tokenizer.vocab_size, spec.tokenizer.min_frequency
             )
-            model = models.build_model(spec["architecture"], tokenizer, seed=spec["seed"])
+            model = models.build_model(fconfig.thaw(spec.architecture), tokenizer, seed=spec.seed)
             return model, tokenizer
         folder = self.cache / "smollm2"
         if not (folder / "model.safetensors").is_file():

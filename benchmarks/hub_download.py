@@ -96,7 +96,7 @@ def main() -> int:
             "-m",
             "fedtune.download",
             "model",
-            "--spec",
+            "--options",
             json.dumps(spec),
             "--out",
             str(out),

@@ -108,7 +108,7 @@ def smollm2_model_dir(smollm2_gguf, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("smollm2") / "model"
     spec = json.dumps({"source": "gguf", "path": str(smollm2_gguf)})
     result = subprocess.run(
-        [PYTHON, "-m", "fedtune.download", "model", "--spec", spec, "--out", str(out)],
+        [PYTHON, "-m", "fedtune.download", "model", "--options", spec, "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from fedtune.core.config import DatasetOptions, ModelOptions
 from fedtune.core.models import CLASSIFICATION, ModelError, load_model, load_tokenizer, model_task
 from fedtune.download.fetch import DownloadError, download_data, download_model
 from fedtune.evaluate.scores import EvaluateError, classification_metrics, evaluate
@@ -74,13 +75,17 @@ def labelled(tmp_path: Path, rows_train: list[dict], rows_test: list[dict] | Non
 )
 def test_download_refuses_bad_labels_naming_row_and_value(tmp_path, rows, message):
     with pytest.raises(DownloadError, match=message):
-        download_data(labelled(tmp_path, rows), tmp_path / "raw", num_labels=NUM_LABELS)
+        download_data(
+            DatasetOptions.from_mapping(labelled(tmp_path, rows)), tmp_path / "raw", num_labels=NUM_LABELS
+        )
     assert not (tmp_path / "raw").exists()
 
 
 def test_download_accepts_good_labels_and_a_custom_label_field(tmp_path):
     spec = labelled(tmp_path, [{"text": "a", "stars": 2}, {"text": "b", "stars": 0}])
-    counts = download_data({**spec, "label_field": "stars"}, tmp_path / "raw", num_labels=NUM_LABELS)
+    counts = download_data(
+        DatasetOptions.from_mapping({**spec, "label_field": "stars"}), tmp_path / "raw", num_labels=NUM_LABELS
+    )
     assert counts == {"train": 2, "test": 2}
 
 
@@ -93,8 +98,13 @@ def classifier_dir(tmp_path_factory) -> Path:
     spec = {"source": "init", "architecture": TINY_ARCHITECTURE, "num_labels": NUM_LABELS}
     spec["tokenizer"] = {"vocab_size": 300}
     raw = root / "raw"
-    download_data({"source": "local", "data_files": {"train": str(data)}, "test_fraction": 0.1}, raw)
-    download_model(spec, root / "model", [{"path": str(raw)}], task=CLASSIFICATION)
+    download_data(
+        DatasetOptions.from_mapping(
+            {"source": "local", "data_files": {"train": str(data)}, "test_fraction": 0.1}
+        ),
+        raw,
+    )
+    download_model(ModelOptions.from_mapping(spec), root / "model", [{"path": str(raw)}], task=CLASSIFICATION)
     return root / "model"
 
 
@@ -119,7 +129,9 @@ def test_hf_body_gets_a_seeded_head_and_a_padding_token(tiny_model_dir, tmp_path
     spec = {"source": "hf", "name": str(body), "num_labels": NUM_LABELS}
     heads = []
     for name, seed in (("a", 0), ("b", 0), ("c", 1)):
-        download_model({**spec, "seed": seed}, tmp_path / name, task=CLASSIFICATION)
+        download_model(
+            ModelOptions.from_mapping({**spec, "seed": seed}), tmp_path / name, task=CLASSIFICATION
+        )
         heads.append(load_model(tmp_path / name, task=CLASSIFICATION).score.weight.detach())
     assert torch.equal(heads[0], heads[1]) and not torch.equal(heads[0], heads[2])
     tokenizer = load_tokenizer(tmp_path / "a")
@@ -135,7 +147,7 @@ def test_a_local_model_folder_becomes_a_classifier_with_its_head_saved(tiny_mode
     the body, so the folder is loaded and saved instead, and the source folder is left untouched."""
     before = sorted(p.name for p in tiny_model_dir.iterdir())
     spec = {"source": "local", "path": str(tiny_model_dir), "num_labels": NUM_LABELS}
-    download_model(spec, tmp_path / "m", task=CLASSIFICATION)
+    download_model(ModelOptions.from_mapping(spec), tmp_path / "m", task=CLASSIFICATION)
     model = load_model(tmp_path / "m", task=CLASSIFICATION)
     assert model.score.weight.shape[0] == NUM_LABELS
     assert sorted(p.name for p in tiny_model_dir.iterdir()) == before
@@ -146,7 +158,11 @@ def test_classification_needs_num_labels(tiny_model_dir, tmp_path):
     from fedtune.core.config import ConfigError
 
     with pytest.raises(ConfigError, match="model.num_labels"):
-        download_model({"source": "hf", "name": str(tiny_model_dir)}, tmp_path / "m", task=CLASSIFICATION)
+        download_model(
+            ModelOptions.from_mapping({"source": "hf", "name": str(tiny_model_dir)}),
+            tmp_path / "m",
+            task=CLASSIFICATION,
+        )
 
 
 def test_a_model_of_the_other_task_is_refused(classifier_dir, tiny_model_dir):
@@ -436,7 +452,9 @@ def test_two_classes_the_default_transformers_leaves_out_of_config_json(tmp_path
         "num_labels": 2,
         "tokenizer": {"vocab_size": 300},
     }
-    download_model(spec, tmp_path / "model", [{"path": str(raw)}], task=CLASSIFICATION)
+    download_model(
+        ModelOptions.from_mapping(spec), tmp_path / "model", [{"path": str(raw)}], task=CLASSIFICATION
+    )
     assert "id2label" not in json.loads((tmp_path / "model" / "config.json").read_text())
     counts = tokenize_shard(raw, "train", 0, tmp_path / "model", tmp_path / "shard", shard_options())
     assert counts["num_labels"] == 2 and counts["label_counts"] == {"0": 10, "1": 10}

@@ -140,6 +140,11 @@ BAD = [
     ("block size below minimum", edit("tokenize.block_size", 2), "tokenize.block_size"),
     ("unknown mode", edit("tokenize.mode", "chunks"), "tokenize.mode"),
     ("missing data file", edit("sites.alpha.dataset.data_files.train", "data/nope.jsonl"), "data/nope.jsonl"),
+    (
+        "data files of no known format",
+        edit("sites.alpha.dataset.data_files.test", "data/test.xml"),
+        "sites.alpha.dataset.data_files: cannot tell one format from the suffixes ['.jsonl', '.xml']",
+    ),
     ("template without {text}", edit("sites.alpha.prompt_template", "Write:"), "sites.alpha.prompt_template"),
     (
         "template with another field",
@@ -236,11 +241,113 @@ def test_options_objects_have_exactly_the_schema_keys():
     """A key added to a section schema but not to its object (or the reverse) fails here, not in a job."""
     import dataclasses
 
-    from fedtune.core.config import EvaluateOptions, TrainOptions, schema
+    from fedtune.core.config import (
+        BpeOptions,
+        DatasetOptions,
+        EvaluateOptions,
+        ModelOptions,
+        TrainOptions,
+        schema,
+    )
 
-    for cls in (TrainOptions, EvaluateOptions):
+    definitions = schema()["$defs"]
+    sections = {
+        TrainOptions: schema(TrainOptions.SCHEMA),
+        EvaluateOptions: schema(EvaluateOptions.SCHEMA),
+        ModelOptions: definitions["model"],
+        BpeOptions: definitions["model"]["properties"]["tokenizer"],
+        DatasetOptions: definitions["dataset"],
+    }
+    for cls, section in sections.items():
         fields = {f.name for f in dataclasses.fields(cls)}
-        assert fields == set(schema(cls.SCHEMA)["properties"]), cls.__name__
+        assert fields == set(section["properties"]), cls.__name__
+    # The keys without a default are exactly the ones the object holds as None when a section leaves
+    # them out.
+    for cls, name in ((ModelOptions, "model"), (DatasetOptions, "dataset")):
+        unset = {key for key, sub in definitions[name]["properties"].items() if "default" not in sub}
+        assert unset - {"source"} == set(cls.UNSET), cls.__name__
+
+
+def example_configs() -> list[Path]:
+    return [DEMO, ROOT / "config" / "config.yaml", *sorted((ROOT / "config" / "examples").glob("*.yaml"))]
+
+
+@pytest.mark.parametrize("path", example_configs(), ids=lambda path: path.stem)
+def test_model_and_dataset_options_round_trip_through_their_json_form(path):
+    """The download stage gets the model and each dataset as JSON (--options): the same object comes back,
+    for the demo and every example config."""
+    from fedtune.core.config import MAIN_SCHEMA, DatasetOptions, ModelOptions, validate_section
+
+    config = validate_section(yaml.safe_load(path.read_text()), MAIN_SCHEMA, source=str(path))
+    model = ModelOptions.from_mapping(config["model"])
+    assert ModelOptions.from_json(model.to_json()) == model
+    assert model.to_dict() == {**dict.fromkeys(ModelOptions.UNSET), **config["model"]}
+    for site in config["sites"].values():
+        dataset = DatasetOptions.from_mapping(site["dataset"])
+        assert DatasetOptions.from_json(dataset.to_json()) == dataset
+        files = site["dataset"].get("data_files")
+        # Each split's files as a tuple, whether the config names one file or a list.
+        as_tuple = lambda v: (v,) if isinstance(v, str) else tuple(v)  # noqa: E731
+        assert dataset.data_files == (files and {k: as_tuple(v) for k, v in files.items()})
+
+
+def test_the_run_config_holds_the_model_and_datasets_as_frozen_options():
+    import dataclasses
+
+    from fedtune.core.config import DatasetOptions, ModelOptions, build_run_config, thaw
+
+    run = build_run_config(demo(), base_dir=ROOT)
+    assert isinstance(run.model, ModelOptions) and run.model.source == "init" and run.model.name is None
+    assert run.model.tokenizer.vocab_size == demo()["model"]["tokenizer"]["vocab_size"]
+    assert ModelOptions.from_json(run.model.to_json()) == run.model
+    assert run.aggregate.dtype == run.model.dtype
+    for name, site in run.sites.items():
+        assert isinstance(site.dataset, DatasetOptions) and site.dataset.source == "local"
+        assert DatasetOptions.from_json(site.dataset.to_json()) == site.dataset
+        assert site.tokenize.text_field == site.dataset.text_field, name
+    # Frozen all the way down: no field and no nested value can be set.
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.model.dtype = "float16"
+    with pytest.raises(TypeError):
+        run.model.architecture["hidden_size"] = 8
+    with pytest.raises(TypeError):
+        run.sites["alpha"].dataset.data_files["train"] = ("other.jsonl",)
+    architecture = thaw(run.model.architecture)
+    architecture["hidden_size"] = 8  # a copy
+    assert run.model.architecture["hidden_size"] == demo()["model"]["architecture"]["hidden_size"]
+
+
+def test_the_json_form_fills_defaults_and_names_what_it_refuses():
+    from fedtune.core.config import DatasetOptions, ModelOptions
+
+    model = ModelOptions.from_json('{"source": "hf", "name": "org/model"}')
+    assert (model.revision, model.dtype, model.path, model.allow_pickle) == ("main", "float32", None, False)
+    assert model.tokenizer.vocab_size == 2048 and dict(model.architecture) == {"model_type": "llama"}
+    with pytest.raises(ConfigError, match="--options: model: 'name' is a required property"):
+        ModelOptions.from_json('{"source": "hf"}')
+    with pytest.raises(ConfigError, match="--options: model.dtype"):
+        ModelOptions.from_json('{"source": "hf", "name": "m", "dtype": "int8"}')
+    dataset = DatasetOptions.from_json('{"source": "local", "data_files": {"train": "a.jsonl"}}')
+    assert dataset.data_files == {"train": ("a.jsonl",)} and dataset.splits == {
+        "train": "train",
+        "test": "test",
+    }
+    with pytest.raises(ConfigError, match="--options: dataset: 'data_files' is a required property"):
+        DatasetOptions.from_json('{"source": "local"}')
+
+
+def test_model_rules_that_need_the_task_are_checked_when_the_config_loads():
+    from fedtune.core.config import CLASSIFICATION, build_run_config
+
+    config = demo()
+    config["task"] = CLASSIFICATION
+    config["model"] = {"source": "gguf", "path": "model.gguf", "num_labels": 2}
+    with pytest.raises(ConfigError, match="cfg: model.source: gguf: task sequence-classification is not"):
+        build_run_config(config, source="cfg", base_dir=ROOT)
+    config["model"] = {"source": "gguf", "path": "no/such.gguf"}
+    config["task"] = "causal-lm"
+    with pytest.raises(ConfigError, match="cfg: model.path: GGUF file not found: .*no/such.gguf"):
+        build_run_config(config, source="cfg", base_dir=ROOT)
 
 
 def test_run_config_hands_out_each_sites_merged_options():

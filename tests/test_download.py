@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from datasets import load_from_disk
 
-from fedtune.core.config import ConfigError, UserError
+from fedtune.core.config import ConfigError, DatasetOptions, ModelOptions, UserError
 from fedtune.core.models import ModelError, load_causal_lm, load_tokenizer
 from fedtune.download.fetch import DownloadError, download_data, download_model
 
@@ -34,7 +34,7 @@ def test_local_files_become_train_and_test_splits(files, tmp_path):
     train, test = files
     out = tmp_path / "raw"
     spec = {"source": "local", "data_files": {"train": str(train), "test": str(test)}}
-    assert download_data(spec, out) == {"train": 30, "test": 7}
+    assert download_data(DatasetOptions.from_mapping(spec), out) == {"train": 30, "test": 7}
     saved = load_from_disk(str(out))
     assert saved["train"][0]["text"] == "train document 0"
     assert saved["test"]["text"][-1] == "test document 6"
@@ -45,7 +45,7 @@ def test_local_files_become_train_and_test_splits(files, tmp_path):
 def test_max_documents_keeps_the_first_ones(files, tmp_path):
     train, test = files
     spec = {"source": "local", "data_files": {"train": str(train), "test": str(test)}, "max_documents": 5}
-    download_data(spec, tmp_path / "raw")
+    download_data(DatasetOptions.from_mapping(spec), tmp_path / "raw")
     saved = load_from_disk(str(tmp_path / "raw"))
     assert saved["train"]["text"] == [f"train document {i}" for i in range(5)]
     assert len(saved["test"]) == 5
@@ -55,7 +55,7 @@ def test_text_files_and_a_carved_test_split(tmp_path):
     text = tmp_path / "corpus.txt"
     text.write_text("".join(f"line {i}\n" for i in range(100)))
     spec = {"source": "local", "data_files": {"train": str(text)}, "test_fraction": 0.1}
-    assert download_data(spec, tmp_path / "raw") == {"train": 90, "test": 10}
+    assert download_data(DatasetOptions.from_mapping(spec), tmp_path / "raw") == {"train": 90, "test": 10}
     saved = load_from_disk(str(tmp_path / "raw"))
     assert set(saved["train"]["text"]).isdisjoint(saved["test"]["text"])
     assert len(set(saved["train"]["text"]) | set(saved["test"]["text"])) == 100
@@ -65,20 +65,20 @@ def test_hf_source_loads_a_dataset_folder_by_name(files, tmp_path):
     # The hub branch calls load_dataset(name, config, revision); a local dataset folder is a valid name,
     # which exercises the same code with no network.
     spec = {"source": "hf", "name": str(files[0].parent), "splits": {"train": "train", "test": "test"}}
-    assert download_data(spec, tmp_path / "raw") == {"train": 30, "test": 7}
+    assert download_data(DatasetOptions.from_mapping(spec), tmp_path / "raw") == {"train": 30, "test": 7}
 
 
 def test_hf_source_with_a_missing_split_names_it(files, tmp_path):
     spec = {"source": "hf", "name": str(files[0].parent), "splits": {"train": "train", "test": "validation"}}
     with pytest.raises(DownloadError, match="'validation'.*has \\['test', 'train'\\]"):
-        download_data(spec, tmp_path / "raw")
+        download_data(DatasetOptions.from_mapping(spec), tmp_path / "raw")
     assert not (tmp_path / "raw").exists()
 
 
 def test_missing_text_field_names_the_column(files, tmp_path):
     spec = {"source": "local", "data_files": {"train": str(files[0])}, "text_field": "content"}
     with pytest.raises(DownloadError, match="'content' is not a column.*\\['text', 'label'\\]"):
-        download_data(spec, tmp_path / "raw")
+        download_data(DatasetOptions.from_mapping(spec), tmp_path / "raw")
 
 
 def test_empty_dataset_is_refused(tmp_path):
@@ -90,23 +90,40 @@ def test_empty_dataset_is_refused(tmp_path):
     with pytest.raises(
         DownloadError, match="data_files.test: .*empty.txt is empty: the test split holds no documents"
     ):
-        download_data(spec, tmp_path / "raw")
+        download_data(DatasetOptions.from_mapping(spec), tmp_path / "raw")
 
 
 def test_missing_file_and_bad_spec_are_named(tmp_path):
-    with pytest.raises(DownloadError, match="data_files.train: file not found: .*nope.jsonl"):
+    with pytest.raises(
+        ConfigError, match="--options: dataset.data_files.train: file not found: .*nope.jsonl"
+    ):
         download_data(
-            {"source": "local", "data_files": {"train": str(tmp_path / "nope.jsonl")}}, tmp_path / "r"
+            DatasetOptions.from_mapping(
+                {"source": "local", "data_files": {"train": str(tmp_path / "nope.jsonl")}}
+            ),
+            tmp_path / "r",
         )
     with pytest.raises(ConfigError, match="dataset.max_documents"):
-        download_data({"source": "local", "data_files": {"train": "x"}, "max_documents": 0}, tmp_path / "r")
+        download_data(
+            DatasetOptions.from_mapping(
+                {"source": "local", "data_files": {"train": "x"}, "max_documents": 0}
+            ),
+            tmp_path / "r",
+        )
 
 
 def test_download_failure_keeps_the_previous_output(files, tmp_path):
     out = tmp_path / "raw"
-    download_data({"source": "local", "data_files": {"train": str(files[0])}}, out)
+    download_data(
+        DatasetOptions.from_mapping({"source": "local", "data_files": {"train": str(files[0])}}), out
+    )
     with pytest.raises(DownloadError):
-        download_data({"source": "local", "data_files": {"train": str(files[0])}, "text_field": "x"}, out)
+        download_data(
+            DatasetOptions.from_mapping(
+                {"source": "local", "data_files": {"train": str(files[0])}, "text_field": "x"}
+            ),
+            out,
+        )
     assert len(load_from_disk(str(out))["train"]) + len(load_from_disk(str(out))["test"]) == 30
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".raw")] == []
 
@@ -117,11 +134,13 @@ ARCH = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_
 
 def test_init_model_trains_a_tokenizer_on_the_templated_site_text(files, tmp_path):
     raw = tmp_path / "raw"
-    download_data({"source": "local", "data_files": {"train": str(files[0])}}, raw)
+    download_data(
+        DatasetOptions.from_mapping({"source": "local", "data_files": {"train": str(files[0])}}), raw
+    )
     out = tmp_path / "base"
     spec = {"source": "init", "architecture": ARCH, "tokenizer": {"vocab_size": 300, "min_frequency": 1}}
     corpora = [{"path": str(raw), "text_field": "text", "template": "Zqx: {text}"}]
-    download_model(spec, out, corpora)
+    download_model(ModelOptions.from_mapping(spec), out, corpora)
     tokenizer = load_tokenizer(out)
     model = load_causal_lm(out)
     assert model.config.vocab_size == len(tokenizer) <= 300
@@ -135,7 +154,7 @@ def test_init_model_trains_a_tokenizer_on_the_templated_site_text(files, tmp_pat
 
 def test_local_model_is_validated_and_copied(tiny_model_dir, tmp_path):
     out = tmp_path / "base"
-    download_model({"source": "local", "path": str(tiny_model_dir)}, out)
+    download_model(ModelOptions.from_mapping({"source": "local", "path": str(tiny_model_dir)}), out)
     assert (out / "model.safetensors").read_bytes() == (tiny_model_dir / "model.safetensors").read_bytes()
     assert load_causal_lm(out).config.num_hidden_layers == 2
 
@@ -164,7 +183,7 @@ def test_hf_model_is_fetched_as_files_without_loading_it(offline_hub, tiny_model
     checked by their headers, never a model in memory; the dtype is converted where they are loaded."""
     out = tmp_path / "base"
     spec = {"source": "hf", "name": "fedtune-test/tiny", "revision": offline_hub, "dtype": "bfloat16"}
-    download_model(spec, out)
+    download_model(ModelOptions.from_mapping(spec), out)
     assert (out / "model.safetensors").read_bytes() == (tiny_model_dir / "model.safetensors").read_bytes()
     assert {"config.json", "tokenizer.json", "fedtune-checksums.json"} <= {p.name for p in out.iterdir()}
     record = json.loads((out / "fedtune-source.json").read_text())
@@ -187,7 +206,7 @@ def test_a_truncated_hub_download_is_refused_by_name(offline_hub, tmp_path):
     weights.write_bytes(weights.read_bytes()[:-100])
     spec = {"source": "hf", "name": "fedtune-test/tiny", "revision": offline_hub}
     with pytest.raises(UserError, match=r"fedtune-test/tiny@0123.*model.safetensors is \d+ bytes.*truncated"):
-        download_model(spec, tmp_path / "base")
+        download_model(ModelOptions.from_mapping(spec), tmp_path / "base")
     assert not (tmp_path / "base").exists()
 
 
@@ -197,7 +216,7 @@ def test_pickle_only_model_is_refused_unless_allowed(tmp_path):
     (folder / "config.json").write_text("{}")
     (folder / "pytorch_model.bin").write_bytes(b"not really a pickle")
     with pytest.raises(ModelError, match="only pickle weights.*allow_pickle"):
-        download_model({"source": "local", "path": str(folder)}, tmp_path / "base")
+        download_model(ModelOptions.from_mapping({"source": "local", "path": str(folder)}), tmp_path / "base")
     assert not (tmp_path / "base").exists()
 
 
@@ -215,5 +234,5 @@ def test_a_local_dataset_folder_is_read_afresh_after_its_files_change(tmp_path, 
     for version in ("old", "new"):
         for split in ("train", "test"):
             (folder / "data" / f"{split}.jsonl").write_text(f'{{"text": "{version} {split}"}}\n')
-        download_data(spec, tmp_path / version)
+        download_data(DatasetOptions.from_mapping(spec), tmp_path / version)
         assert load_from_disk(str(tmp_path / version))["train"]["text"] == [f"{version} train"]

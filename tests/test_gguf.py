@@ -23,7 +23,7 @@ SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 def download(spec: dict, out) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "fedtune.download", "model", "--spec", json.dumps(spec), "--out", str(out)],
+        [sys.executable, "-m", "fedtune.download", "model", "--options", json.dumps(spec), "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -7,7 +7,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import DistilBertConfig, DistilBertForMaskedLM, PreTrainedTokenizerFast
 
-from fedtune.core.config import TokenizeOptions
+from fedtune.core.config import DatasetOptions, ModelOptions, TokenizeOptions
 from fedtune.download.demo_data import write_reviews
 from fedtune.download.fetch import download_data, download_model
 from fedtune.tokenize.shards import tokenize_shard, write_manifest
@@ -18,7 +18,7 @@ spec = {
     "source": "local",
     "data_files": {s: str(w / "reviews/alpha" / f"{s}.jsonl") for s in ("train", "test")},
 }
-download_data(spec, w / "raw", num_labels=3)
+download_data(DatasetOptions.from_mapping(spec), w / "raw", num_labels=3)
 
 texts = [line for line in (w / "reviews/alpha/train.jsonl").read_text().splitlines()]
 tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
@@ -51,7 +51,9 @@ body = w / "body"
 DistilBertForMaskedLM(config).save_pretrained(body)
 fast.save_pretrained(body)
 download_model(
-    {"source": "hf", "name": str(body), "num_labels": 3}, w / "model", task="sequence-classification"
+    ModelOptions.from_mapping({"source": "hf", "name": str(body), "num_labels": 3}),
+    w / "model",
+    task="sequence-classification",
 )
 shard = w / "data/train/shard-0"
 options = TokenizeOptions.from_mapping({"shards": 1, "block_size": 32, "task": "sequence-classification"})

@@ -12,7 +12,7 @@ import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 
-from fedtune.core.config import UserError
+from fedtune.core.config import UserError, thaw
 
 ITEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "float8": 1}
 # peft's get_peft_model(autocast_adapter_dtype=True), its default, keeps LoRA weights in fp32 even on a
@@ -283,26 +283,26 @@ def known_model_config(run, base_dir) -> tuple[dict | None, str]:
     downloaded = Path(base_dir) / "config.json"
     if downloaded.is_file():
         return json.loads(downloaded.read_text()), str(downloaded)
-    if model["source"] == "init":
-        config = dict(model["architecture"])
-        config.setdefault("vocab_size", model.get("tokenizer", {}).get("vocab_size", 0))
+    if model.source == "init":
+        config = thaw(model.architecture)
+        config.setdefault("vocab_size", model.tokenizer.vocab_size)
         return config, "model.architecture"
-    if model["source"] == "gguf":
+    if model.source == "gguf":
         from fedtune.download.gguf import model_config
 
-        return model_config(model["path"]), model["path"]
-    if model["source"] == "local":
-        path = Path(model["path"]) / "config.json"
+        return model_config(model.path), model.path
+    if model.source == "local":
+        path = Path(model.path) / "config.json"
         return (json.loads(path.read_text()), str(path)) if path.is_file() else (None, str(path))
     try:
         from huggingface_hub import try_to_load_from_cache
 
-        cached = try_to_load_from_cache(model["name"], "config.json", revision=model.get("revision"))
+        cached = try_to_load_from_cache(model.name, "config.json", revision=model.revision)
     except Exception:  # an unreadable cache is only a missing line in the dry run
         cached = None
     if isinstance(cached, str):
-        return json.loads(Path(cached).read_text()), f"the Hugging Face cache ({model['name']})"
-    return None, model["name"]
+        return json.loads(Path(cached).read_text()), f"the Hugging Face cache ({model.name})"
+    return None, model.name
 
 
 def transfer_lines(run, base_dir) -> list[str]:
@@ -313,7 +313,7 @@ def transfer_lines(run, base_dir) -> list[str]:
             f"adapters: the bytes each round moves follow from {origin}'s config.json, not on this machine "
             f"yet; the dry run prints them after the download (or `hf download {origin} config.json`)"
         ]
-    dtype = run.model["dtype"]
+    dtype = run.model.dtype
     lines = []
     for name, site in run.sites.items():
         adapter = site.train.adapter

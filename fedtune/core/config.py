@@ -4,7 +4,8 @@ rule a schema cannot express (cross-key checks, a template that must format, fil
 block that must fit the model, sweep points), and hands the stages typed, frozen objects:
 
     RunConfig        the whole validated config: run folder, task, model, sites, federation, sweep
-    Site             one site: its dataset, template, cluster, TrainOptions (overrides merged) and
+    ModelOptions     the model section (BpeOptions for model.tokenizer)
+    Site             one site: its DatasetOptions, template, cluster, TrainOptions (overrides merged) and
                      TokenizeOptions (the tokenize section with its template and columns)
     TrainOptions     the train section (train.schema.yaml) after every cross-key rule, with
                      AdapterOptions for train.adapter
@@ -28,6 +29,7 @@ import json
 import os
 import re
 import string
+import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -253,10 +255,24 @@ def check_global_batch(global_batch: int, micro_batch: int, world_size: int, whe
 # Typed options
 
 
-def _plain(value):
-    """An options object as JSON values (nested options objects included)."""
+def freeze(value):
+    """A JSON value that cannot change: mappings become read-only views, lists tuples (all the way down)."""
+    if isinstance(value, Mapping):
+        return types.MappingProxyType({key: freeze(item) for key, item in value.items()})
+    if isinstance(value, (list, tuple)):
+        return tuple(freeze(item) for item in value)
+    return value
+
+
+def thaw(value):
+    """Plain JSON values (dicts, lists) of an options object or a frozen value, nested ones included: the
+    JSON form, and what a library that wants a dict gets (transformers' configs, a JSON record)."""
     if isinstance(value, _Options):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {f.name: thaw(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {key: thaw(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [thaw(item) for item in value]
     return value
 
 
@@ -264,9 +280,11 @@ class _Options:
     """The JSON form shared by the options objects: the rule -> CLI boundary."""
 
     SCHEMA: str = ""
+    # Keys without a schema default: absent from a section, None in the object and null in the JSON form.
+    UNSET: tuple[str, ...] = ()
 
     def to_json(self) -> str:
-        return json.dumps(_plain(self), separators=(",", ":"))
+        return json.dumps(thaw(self), separators=(",", ":"))
 
     def to_dict(self) -> dict:
         """The JSON form as plain values (lists, not tuples), as the config file writes them."""
@@ -280,7 +298,9 @@ class _Options:
     def _validated(cls, data: Mapping, source: str, prefix: str) -> dict:
         if not isinstance(data, Mapping):
             raise ConfigError(f"{source}: {prefix or 'options'}: expected a mapping, got {data!r}")
-        return validate_section(copy.deepcopy(dict(data)), cls.SCHEMA, source=source, prefix=prefix)
+        data = {key: value for key, value in data.items() if not (key in cls.UNSET and value is None)}
+        values = validate_section(thaw(data), cls.SCHEMA, source=source, prefix=prefix)
+        return {**dict.fromkeys(cls.UNSET), **values}
 
 
 @dataclass(frozen=True)
@@ -506,6 +526,144 @@ class EvaluateOptions(_Options):
         return json.dumps(values, separators=(",", ":"))
 
 
+# The model and a site's dataset (config.schema.yaml#/$defs/model and #/$defs/dataset): the download
+# stage's settings (`python -m fedtune.download model|data --options`); the later stages read a few keys.
+
+
+@dataclass(frozen=True)
+class BpeOptions(_Options):
+    """model.tokenizer: the byte-level BPE tokenizer trained at download time (source init; a part of
+    ModelOptions: its JSON form is ModelOptions')."""
+
+    vocab_size: int
+    min_frequency: int
+    max_documents: int | None
+
+
+@dataclass(frozen=True)
+class ModelOptions(_Options):
+    """The model section: where the base model comes from and how it is saved. `architecture` (source
+    init) is a read-only mapping of config.json values; `thaw(options.architecture)` gives a dict."""
+
+    SCHEMA = "config.schema.yaml#/$defs/model"
+    UNSET = ("name", "path")
+
+    source: str
+    name: str | None
+    revision: str
+    path: str | None
+    architecture: Mapping[str, Any]
+    tokenizer: BpeOptions
+    num_labels: int | None
+    dtype: str
+    seed: int
+    trust_remote_code: bool
+    allow_pickle: bool
+
+    @classmethod
+    def from_mapping(cls, data: Mapping, *, source: str = "--options", prefix: str = "model") -> ModelOptions:
+        """From a model section (defaults filled in); the rules that need the run are `check`'s."""
+        return cls.from_valid(cls._validated(data, source, prefix))
+
+    @classmethod
+    def from_valid(cls, values: Mapping) -> ModelOptions:
+        """From a section the schema has validated (defaults filled in, UNSET keys None)."""
+        return cls(
+            **{
+                **values,
+                "architecture": freeze(values["architecture"]),
+                "tokenizer": BpeOptions(**values["tokenizer"]),
+            }
+        )
+
+    def check(self, where: str, *, task: str, base_dir: Path | None = None) -> None:
+        """The rules the schema cannot express: the task's needs, and the local files (relative to
+        base_dir). `where` prefixes the key named in the error ("file: model.")."""
+        if task == CLASSIFICATION and self.num_labels is None:
+            raise ConfigError(f"{where}num_labels: required for task {CLASSIFICATION}")
+        if task == CLASSIFICATION and self.source == "gguf":
+            raise ConfigError(f"{where}source: gguf: task {CLASSIFICATION} is not supported")
+        base_dir = Path(base_dir or ".")
+        if self.source == "local" and not (base_dir / self.path / "config.json").is_file():
+            raise ConfigError(
+                f"{where}path: {base_dir / self.path} holds no config.json (a save_pretrained folder)"
+            )
+        if self.source == "gguf" and not (base_dir / self.path).is_file():
+            raise ConfigError(f"{where}path: GGUF file not found: {base_dir / self.path}")
+
+
+# The datasets loader of each data file suffix (dataset.format: auto).
+FILE_FORMATS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet", ".csv": "csv"}
+
+
+@dataclass(frozen=True)
+class DatasetOptions(_Options):
+    """sites.<name>.dataset: where a site's text comes from. `splits` maps fedtune's train and test to the
+    source's splits (source hf); `data_files` maps each split to its files (source local), as tuples."""
+
+    SCHEMA = "config.schema.yaml#/$defs/dataset"
+    UNSET = ("name", "data_files")
+
+    source: str
+    name: str | None
+    config: str | None
+    revision: str | None
+    splits: Mapping[str, str | None]
+    data_files: Mapping[str, tuple[str, ...]] | None
+    format: str
+    test_fraction: float
+    text_field: str
+    label_field: str
+    max_documents: int | None
+    seed: int
+
+    @classmethod
+    def from_mapping(
+        cls, data: Mapping, *, source: str = "--options", prefix: str = "dataset"
+    ) -> DatasetOptions:
+        """From a dataset section (defaults filled in); the files are `check`'s."""
+        return cls.from_valid(cls._validated(data, source, prefix))
+
+    @classmethod
+    def from_valid(cls, values: Mapping) -> DatasetOptions:
+        """From a section the schema has validated (defaults filled in, UNSET keys None)."""
+        files = values["data_files"]
+        return cls(
+            **{
+                **values,
+                "splits": freeze(values["splits"]),
+                "data_files": None
+                if files is None
+                else freeze({split: _as_list(paths) for split, paths in files.items()}),
+            }
+        )
+
+    def check(self, where: str, *, base_dir: Path | None = None) -> None:
+        """Local data files have one format and exist (relative to base_dir); `where` prefixes the key
+        named in the error ("file: sites.x.dataset.")."""
+        if self.source != "local":
+            return
+        if self.loader is None:
+            suffixes = sorted({Path(f).suffix for files in self.data_files.values() for f in files})
+            raise ConfigError(
+                f"{where}data_files: cannot tell one format from the suffixes {suffixes}; "
+                "set the dataset's format to one of json, text, parquet, csv"
+            )
+        for split, files in self.data_files.items():
+            for file in files:
+                if not (Path(base_dir or ".") / file).is_file():
+                    raise ConfigError(f"{where}data_files.{split}: file not found: {file}")
+
+    @property
+    def loader(self) -> str | None:
+        """The datasets loader of the local data files: `format`, else the one their suffixes name (None
+        where they name none or several, which `check` refuses)."""
+        if self.format != "auto":
+            return self.format
+        formats = {FILE_FORMATS.get(Path(f).suffix) for files in self.data_files.values() for f in files}
+        return formats.pop() if len(formats) == 1 else None
+
+
 @dataclass(frozen=True)
 class TokenizeOptions(_Options):
     """How one site's text becomes blocks: the tokenize section (config.schema.yaml#/$defs/tokenize), with
@@ -541,14 +699,10 @@ class TokenizeOptions(_Options):
                 raise ConfigError(f"{where}{key}: {getattr(self, key)!r} is not a column name")
         check_template(self.template, f"{where}template")
 
-    def for_site(self, site: Mapping) -> TokenizeOptions:
-        """These options with a site's template and columns (a `sites.<name>` section)."""
-        dataset = site["dataset"]
+    def for_site(self, template: str, dataset: DatasetOptions) -> TokenizeOptions:
+        """These options with a site's prompt template and its dataset's columns."""
         return dataclasses.replace(
-            self,
-            template=site["prompt_template"],
-            text_field=dataset["text_field"],
-            label_field=dataset["label_field"],
+            self, template=template, text_field=dataset.text_field, label_field=dataset.label_field
         )
 
 
@@ -789,7 +943,7 @@ class SweepPoint:
 class Site:
     name: str
     cluster: str
-    dataset: dict
+    dataset: DatasetOptions
     prompt_template: str
     train: TrainOptions
     tokenize: TokenizeOptions
@@ -828,15 +982,15 @@ def _remotes(federation: Mapping) -> dict[str, Remote]:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """A whole validated config. `raw` is the dict with every default filled in (for the sections a
-    stage passes on as they are, such as a dataset spec)."""
+    """A whole validated config. `raw` is the dict with every default filled in (the report keeps it as
+    the run's settings.json)."""
 
     raw: dict
     run: str
     results: str
     cluster: str | None
     task: str
-    model: dict
+    model: ModelOptions
     sites: dict[str, Site]
     tokenize: TokenizeOptions
     aggregate: AggregateOptions
@@ -939,12 +1093,12 @@ def _pooled_options(config: Mapping, sites: Mapping[str, Site], source: str) -> 
     return dataclasses.replace(base, max_steps=None, epochs=rounds * base.epochs)
 
 
-def _aggregate_options(config: Mapping, sites: Mapping[str, Site], source: str) -> AggregateOptions:
+def _aggregate_options(
+    config: Mapping, model: ModelOptions, sites: Mapping[str, Site], source: str
+) -> AggregateOptions:
     """The aggregate section as options, with the rules that need the sites: explicit weights name each
     site once, and adapters federate only through the aggregation that combines them."""
-    aggregate = AggregateOptions.from_mapping(
-        {**config["aggregate"], "dtype": config["model"]["dtype"]}, source=source
-    )
+    aggregate = AggregateOptions.from_mapping({**config["aggregate"], "dtype": model.dtype}, source=source)
     if isinstance(aggregate.weights, dict):
         check_weights(aggregate.weights, list(sites), f"{source}: aggregate.weights")
     _check_adapters(aggregate, config["federation"], sites, source)
@@ -1006,40 +1160,28 @@ def build_run_config(config: dict, *, source: str = "config", base_dir: Path | N
     """Validate `config` (defaults filled in place) with every rule, and return it as a RunConfig."""
     validate_section(config, MAIN_SCHEMA, source=source)
     base_dir = Path(base_dir or ".")
-    model = config["model"]
-    if config["task"] == CLASSIFICATION and model["num_labels"] is None:
-        raise ConfigError(f"{source}: model.num_labels: required for task {CLASSIFICATION}")
-    if model["source"] == "local":
-        path = base_dir / model["path"]
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"{source}: model.path: {path} holds no config.json (a save_pretrained folder)")
-    if model["source"] == "gguf" and not (base_dir / model["path"]).is_file():
-        raise ConfigError(f"{source}: model.path: GGUF file not found: {base_dir / model['path']}")
+    model = ModelOptions.from_mapping(config["model"], source=source)
+    model.check(f"{source}: model.", task=config["task"], base_dir=base_dir)
     tokenize = TokenizeOptions.from_mapping(
         {**config["tokenize"], "task": config["task"]}, source=source, prefix="tokenize"
     )
     sites = {}
     for name, site in config["sites"].items():
         check_template(site["prompt_template"], f"{source}: sites.{name}.prompt_template")
-        dataset = site["dataset"]
-        if dataset["source"] == "local":
-            for split, files in dataset["data_files"].items():
-                for file in _as_list(files):
-                    if not (base_dir / file).is_file():
-                        raise ConfigError(
-                            f"{source}: sites.{name}.dataset.data_files.{split}: file not found: {file}"
-                        )
+        prefix = f"sites.{name}.dataset"
+        dataset = DatasetOptions.from_mapping(site["dataset"], source=source, prefix=prefix)
+        dataset.check(f"{source}: {prefix}.", base_dir=base_dir)
         sites[name] = Site(
             name=name,
             cluster=site["cluster"],
             dataset=dataset,
             prompt_template=site["prompt_template"],
             train=site_train_options(config, name, source=source),
-            tokenize=tokenize.for_site(site),
+            tokenize=tokenize.for_site(site["prompt_template"], dataset),
         )
     check_fits(
         tokenize.block_size,
-        model["architecture"],
+        model.architecture,
         f"{source}: tokenize.block_size",
         "model.architecture",
     )
@@ -1061,7 +1203,7 @@ def build_run_config(config: dict, *, source: str = "config", base_dir: Path | N
                     f"{source}: federation.site_optimizer: keep needs backend fsdp, but site {site.name} "
                     "trains with deepspeed (whose optimizer also holds the weights)"
                 )
-    aggregate = _aggregate_options(config, sites, source)
+    aggregate = _aggregate_options(config, model, sites, source)
     evaluate = EvaluateOptions.from_mapping(config["evaluate"], source=source)
     pooled = None
     if federation["pooled_baseline"]:

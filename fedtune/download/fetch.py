@@ -1,8 +1,8 @@
 """download: the one stage that may reach the network. It runs on a login node and puts everything the
 offline stages need into the run's folder.
 
-    python -m fedtune.download data  --spec '<dataset JSON>' --out results/<run>/data/<site>/raw
-    python -m fedtune.download model --spec '<model JSON>' [--corpora '<JSON list>'] --out results/<run>/model/base
+    python -m fedtune.download data  --options '<dataset JSON>' --out results/<run>/data/<site>/raw
+    python -m fedtune.download model --options '<model JSON>' [--corpora '<JSON list>'] --out results/<run>/model/base
     python -m fedtune.download tasks --tasks ENTRY ... --out results/<run>/tasks
 
 `tasks` is evaluate.tasks (the downstream extra, lm-eval): each task's YAML and local data files copied,
@@ -13,7 +13,9 @@ With --task sequence-classification, `data` also checks the label column (intege
 0..--num-labels - 1) and `model` saves the base model with a classification head of model.num_labels
 classes (new and seeded with model.seed unless the checkpoint has one of that size).
 
-`--spec` is the config's `sites.<site>.dataset` or `model` section (validated against the schema).
+`--options` is a site's DatasetOptions or the ModelOptions (fedtune.core.config): the config's
+`sites.<site>.dataset` or `model` section as build_run_config checked it (a partial section gets the
+schema's defaults).
 Hub tokens come from the environment (HF_TOKEN), never from the config or the command line."""
 
 from __future__ import annotations
@@ -29,62 +31,45 @@ from fedtune.core.config import (
     CLASSIFICATION,
     TASKS,
     ConfigError,
+    DatasetOptions,
+    ModelOptions,
     UserError,
     label_problem,
     parse_json,
+    thaw,
     torch_dtype,
-    validate_section,
 )
 
 SPLITS = ("train", "test")
-FORMATS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet", ".csv": "csv"}
 
 
 class DownloadError(UserError):
     """A dataset that cannot be used: the message names the dataset, split or column."""
 
 
-def _files(value) -> list[str]:
-    return [value] if isinstance(value, str) else list(value)
-
-
-def _format(spec: dict) -> str:
-    if spec["format"] != "auto":
-        return spec["format"]
-    suffixes = {Path(f).suffix for files in spec["data_files"].values() for f in _files(files)}
-    formats = {FORMATS.get(s) for s in suffixes}
-    if None in formats or len(formats) != 1:
-        raise ConfigError(
-            f"dataset.data_files: cannot tell one format from the suffixes {sorted(suffixes)}; "
-            f"set dataset.format to one of json, text, parquet, csv"
-        )
-    return formats.pop()
-
-
-def load_splits(spec: dict, num_labels: int | None = None):
+def load_splits(options: DatasetOptions, num_labels: int | None = None):
     """The site's documents as a DatasetDict with exactly the splits train and test. With `num_labels`
     (classification), every document's label must be a class number below it."""
     from datasets import DatasetDict, load_dataset
 
-    if spec["source"] == "local":
-        for split, files in spec["data_files"].items():
-            for file in _files(files):
-                if not Path(file).is_file():
-                    raise DownloadError(f"dataset.data_files.{split}: file not found: {file}")
+    if options.source == "local":
+        for split, files in options.data_files.items():
+            for file in files:
                 if Path(file).stat().st_size == 0:
                     raise DownloadError(
                         f"dataset.data_files.{split}: {file} is empty: the {split} split holds no documents"
                     )
-        loaded = load_dataset(_format(spec), data_files=spec["data_files"])
-        names = {"train": "train", "test": "test" if "test" in spec["data_files"] else None}
-        label = ", ".join(_files(spec["data_files"]["train"]))
+        files = {split: list(paths) for split, paths in options.data_files.items()}
+        loaded = load_dataset(options.loader, data_files=files)
+        names = {"train": "train", "test": "test" if "test" in files else None}
+        label = ", ".join(files["train"])
     else:
         # datasets caches a local folder's configs by folder name and config name alone, so edited files
         # would load as the old rows: a local folder is always read afresh (it costs one local read).
-        fresh = {"download_mode": "force_redownload"} if Path(spec["name"]).is_dir() else {}
-        loaded = load_dataset(spec["name"], spec["config"], revision=spec["revision"], **fresh)
-        names = spec["splits"]
-        label = spec["name"]
+        fresh = {"download_mode": "force_redownload"} if Path(options.name).is_dir() else {}
+        loaded = load_dataset(options.name, options.config, revision=options.revision, **fresh)
+        names = options.splits
+        label = options.name
         for split in (names["train"], names["test"]):
             if split is not None and split not in loaded:
                 raise DownloadError(
@@ -92,22 +77,22 @@ def load_splits(spec: dict, num_labels: int | None = None):
                 )
     train = loaded[names["train"]]
     if names["test"] is None:
-        carved = train.train_test_split(test_size=spec["test_fraction"], seed=spec["seed"], shuffle=True)
+        carved = train.train_test_split(test_size=options.test_fraction, seed=options.seed, shuffle=True)
         splits = {"train": carved["train"], "test": carved["test"]}
     else:
         splits = {"train": train, "test": loaded[names["test"]]}
     for split, data in splits.items():
-        if spec["text_field"] not in data.column_names:
+        if options.text_field not in data.column_names:
             raise DownloadError(
-                f"{label}: dataset.text_field {spec['text_field']!r} is not a column of the {split} split; "
+                f"{label}: dataset.text_field {options.text_field!r} is not a column of the {split} split; "
                 f"columns: {data.column_names}"
             )
-        if spec["max_documents"] is not None and len(data) > spec["max_documents"]:
-            splits[split] = data.select(range(spec["max_documents"]))
+        if options.max_documents is not None and len(data) > options.max_documents:
+            splits[split] = data.select(range(options.max_documents))
         if len(splits[split]) == 0:
             raise DownloadError(f"{label}: the {split} split holds no documents")
         if num_labels is not None:
-            check_labels(splits[split], spec["label_field"], num_labels, f"{label} ({split} split)")
+            check_labels(splits[split], options.label_field, num_labels, f"{label} ({split} split)")
     return DatasetDict(splits)
 
 
@@ -122,11 +107,9 @@ def check_labels(data, field: str, num_labels: int, where: str) -> None:
         raise DownloadError(f"{where}: dataset.label_field {field!r}: {problem}")
 
 
-def download_data(spec: dict, out: str | Path, num_labels: int | None = None) -> dict:
-    spec = validate_section(
-        dict(spec), "config.schema.yaml#/$defs/dataset", source="--spec", prefix="dataset"
-    )
-    splits = load_splits(spec, num_labels)
+def download_data(options: DatasetOptions, out: str | Path, num_labels: int | None = None) -> dict:
+    options.check("--options: dataset.")
+    splits = load_splits(options, num_labels)
     with atomic_dir(out) as tmp:
         splits.save_to_disk(str(tmp))
     counts = {split: len(data) for split, data in splits.items()}
@@ -156,89 +139,88 @@ def _copy_model_dir(source: Path, dest: Path) -> None:
 
 
 def download_model(
-    spec: dict, out: str | Path, corpora: list[dict] | None = None, task: str = CAUSAL_LM
+    options: ModelOptions, out: str | Path, corpora: list[dict] | None = None, task: str = CAUSAL_LM
 ) -> None:
     from fedtune.core import models
 
-    spec = validate_section(dict(spec), "config.schema.yaml#/$defs/model", source="--spec", prefix="model")
-    source = spec["source"]
+    options.check("--options: model.", task=task)
+    source = options.source
     record = {"source": source, "task": task}
     classify = task == CLASSIFICATION
-    if classify and spec["num_labels"] is None:
-        raise ConfigError(f"--spec: model.num_labels: required for task {CLASSIFICATION}")
     with atomic_dir(out) as tmp:
         if source == "init":
             if not corpora:
                 raise ConfigError(
                     "--corpora: a model built from scratch needs text to train its tokenizer on"
                 )
-            tok_spec = spec["tokenizer"]
-            texts = list(_corpus_texts(corpora, tok_spec["max_documents"]))
-            tokenizer = models.train_tokenizer(texts, tok_spec["vocab_size"], tok_spec["min_frequency"])
+            bpe = options.tokenizer
+            texts = list(_corpus_texts(corpora, bpe.max_documents))
+            tokenizer = models.train_tokenizer(texts, bpe.vocab_size, bpe.min_frequency)
             model = models.build_model(
-                spec["architecture"],
+                thaw(options.architecture),
                 tokenizer,
-                dtype=spec["dtype"],
-                seed=spec["seed"],
+                dtype=options.dtype,
+                seed=options.seed,
                 task=task,
-                num_labels=spec["num_labels"],
+                num_labels=options.num_labels,
             )
             models.save_model(model, tokenizer, tmp)
             record.update(
-                architecture=spec["architecture"], tokenizer=tok_spec, documents=len(texts), seed=spec["seed"]
+                architecture=thaw(options.architecture),
+                tokenizer=bpe.to_dict(),
+                documents=len(texts),
+                seed=options.seed,
             )
         elif source == "gguf":
-            if classify:
-                raise ConfigError(f"--spec: model.source: gguf: task {CLASSIFICATION} is not supported")
             from fedtune.download import gguf
 
-            record.update(gguf.convert(spec["path"], tmp, dtype=spec["dtype"]))
+            record.update(gguf.convert(options.path, tmp, dtype=options.dtype))
         elif source == "local" and not classify:
-            path = Path(spec["path"])
-            models.check_model_dir(path, allow_pickle=spec["allow_pickle"])
-            models.load_tokenizer(path, trust_remote_code=spec["trust_remote_code"])
+            path = Path(options.path)
+            models.check_model_dir(path, allow_pickle=options.allow_pickle)
+            models.load_tokenizer(path, trust_remote_code=options.trust_remote_code)
             _copy_model_dir(path, tmp)
             record.update(path=str(path.resolve()))
         elif classify:
             # A classifier needs its head saved with the body: a local folder is loaded and saved, not linked.
-            name = spec["path"] if source == "local" else spec["name"]
+            name = options.path if source == "local" else options.name
             if source == "local":
-                models.check_model_dir(name, allow_pickle=spec["allow_pickle"])
-            revision = spec["revision"] if source == "hf" else None
+                models.check_model_dir(name, allow_pickle=options.allow_pickle)
+            revision = options.revision if source == "hf" else None
             tokenizer = models.load_tokenizer(
-                name, trust_remote_code=spec["trust_remote_code"], revision=revision
+                name, trust_remote_code=options.trust_remote_code, revision=revision
             )
             model = models.classification_head(
                 name,
                 tokenizer,
-                num_labels=spec["num_labels"],
-                seed=spec["seed"],
-                dtype=torch_dtype(spec["dtype"]),
-                use_safetensors=not spec["allow_pickle"],
-                trust_remote_code=spec["trust_remote_code"],
+                num_labels=options.num_labels,
+                seed=options.seed,
+                dtype=torch_dtype(options.dtype),
+                use_safetensors=not options.allow_pickle,
+                trust_remote_code=options.trust_remote_code,
                 revision=revision,
             )
             models.save_model(model, tokenizer, tmp)
-            record.update(name=str(name), revision=revision, num_labels=spec["num_labels"])
+            record.update(name=str(name), revision=revision, num_labels=options.num_labels)
         else:
             # Files, not a loaded model: this runs on login nodes (fedtune/download/hub_model.py).
             from fedtune.download import hub_model
 
-            fetched = hub_model.fetch(spec, tmp)
-            record.update(name=spec["name"], revision=spec["revision"], **fetched)
+            fetched = hub_model.fetch(options, tmp)
+            record.update(name=options.name, revision=options.revision, **fetched)
         write_json(tmp / "fedtune-source.json", record)
     print(f"saved the {source} model to {out}")
 
 
-def _download_measure(spec: dict):
+def _download_measure(options: ModelOptions):
     """For a hub model, how much of it is in the hub cache so far (a log line every half minute)."""
-    if spec.get("source") != "hf" or not spec.get("name"):
+    if options.source != "hf":
         return None
     from huggingface_hub.constants import HF_HUB_CACHE
 
     from fedtune.core.progress import folder_size
 
-    folder = Path(HF_HUB_CACHE) / ("models--" + spec["name"].replace("/", "--"))
+    folder = Path(HF_HUB_CACHE) / ("models--" + options.name.replace("/", "--"))
     return lambda: folder_size(folder)
 
 
@@ -246,11 +228,11 @@ def _download_measure(spec: dict):
 def main(argv=None) -> int:
     parser, sub = cli.subcommands("fedtune.download.fetch", __doc__)
     data = sub.add_parser("data", help="a site's train and test splits, saved with save_to_disk")
-    data.add_argument("--spec", required=True, help="the site's dataset section as JSON")
+    cli.add_options(data, "the site's dataset section (DatasetOptions)")
     data.add_argument("--num-labels", type=int, default=None, help="classification: check the labels")
     cli.add_out(data, "the site's raw DatasetDict (save_to_disk)")
     model = sub.add_parser("model", help="the base model and tokenizer (a hub model: its files)")
-    model.add_argument("--spec", required=True, help="the model section as JSON")
+    cli.add_options(model, "the model section (ModelOptions)")
     model.add_argument(
         "--corpora",
         default="[]",
@@ -273,7 +255,7 @@ def main(argv=None) -> int:
     try:
         if args.what == "data":
             with progress.Heartbeat(f"download data to {args.out}"):
-                download_data(parse_json(args.spec, "--spec"), args.out, args.num_labels)
+                download_data(DatasetOptions.from_json(args.options), args.out, args.num_labels)
         elif args.what == "tasks":
             from fedtune.evaluate.downstream import prepare
 
@@ -281,9 +263,9 @@ def main(argv=None) -> int:
                 record = prepare(args.tasks, args.out)
             print(f"saved {', '.join(t['name'] for t in record['tasks'])} to {args.out}")
         else:
-            spec = parse_json(args.spec, "--spec")
-            with progress.Heartbeat(f"download model to {args.out}", measure=_download_measure(spec)):
-                download_model(spec, args.out, parse_json(args.corpora, "--corpora"), args.task)
+            options = ModelOptions.from_json(args.options)
+            with progress.Heartbeat(f"download model to {args.out}", measure=_download_measure(options)):
+                download_model(options, args.out, parse_json(args.corpora, "--corpora"), args.task)
     except UserError:
         raise
     except (ValueError, OSError) as error:

@@ -18,7 +18,7 @@ import json
 import shutil
 from pathlib import Path
 
-from fedtune.core.config import UserError
+from fedtune.core.config import ModelOptions, UserError
 
 # What save_pretrained folders on the hub hold besides weights: config, generation settings and every
 # tokenizer file format (tokenizer.json, sentencepiece *.model, BPE vocab/merges, chat templates).
@@ -115,12 +115,12 @@ def check_files(folder: Path, label: str) -> dict:
     return dtypes
 
 
-def fetch(spec: dict, dest: Path) -> dict:
-    """The hub model of the model section `spec` into dest as files; returns what fedtune-source.json
-    records about it."""
+def fetch(options: ModelOptions, dest: Path) -> dict:
+    """The hub model of the model section into dest as files; returns what fedtune-source.json records
+    about it."""
     from fedtune.core import models
 
-    name, revision, allow_pickle = spec["name"], spec["revision"], spec["allow_pickle"]
+    name, revision, allow_pickle = options.name, options.revision, options.allow_pickle
     label = f"{name}@{revision}" if revision else name
     source = snapshot(name, revision, allow_pickle)
     files = link_files(source, dest, allow_pickle)
@@ -129,16 +129,16 @@ def fetch(spec: dict, dest: Path) -> dict:
     else:
         models.check_model_dir(dest, allow_pickle=allow_pickle)  # pickle only: named unless allowed
         dtypes = {}
-    wanted = ST_NAMES.get(spec.get("dtype") or "")
+    wanted = ST_NAMES.get(options.dtype)
     floats = {d for d in dtypes if d in ST_NAMES.values()}
     if wanted and floats and floats != {wanted}:
         # Training loads in float32 and the evaluations in model.dtype, whatever the files hold; the
         # aggregation's start model of round 1 is this folder, and must match the sites' dtype.
         print(
-            f"note: {label} stores {', '.join(sorted(floats))} weights, model.dtype is {spec['dtype']}: "
+            f"note: {label} stores {', '.join(sorted(floats))} weights, model.dtype is {options.dtype}: "
             "they are converted where they are loaded, not here",
             flush=True,
         )
-    models.load_tokenizer(dest, trust_remote_code=spec["trust_remote_code"])
+    models.load_tokenizer(dest, trust_remote_code=options.trust_remote_code)
     models.record_checksums(dest)
     return {"files": files, "checkpoint_dtypes": dtypes, "snapshot": source.name}

@@ -100,7 +100,7 @@ def tokenizer_corpora():
     return [
         {
             "path": raw_data_dir(site),
-            "text_field": RUN.sites[site].dataset["text_field"],
+            "text_field": RUN.sites[site].dataset.text_field,
             "template": RUN.sites[site].prompt_template,
         }
         for site in SITES
@@ -305,10 +305,10 @@ def eval_sites(wildcards, output):
                 "site": site,
                 "data": raw_data_dir(site),
                 "out": out,
-                "text_field": RUN.sites[site].dataset["text_field"],
+                "text_field": RUN.sites[site].dataset.text_field,
                 "template": RUN.sites[site].prompt_template,
                 **(
-                    {"label_field": RUN.sites[site].dataset["label_field"]}
+                    {"label_field": RUN.sites[site].dataset.label_field}
                     if CLASSIFICATION
                     else {}
                 ),

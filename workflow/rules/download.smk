@@ -23,11 +23,11 @@ rule download_data:
     container:
         CONTAINER
     params:
-        spec=lambda wc: to_json(RUN.sites[wc.site].dataset),
+        options=lambda wc: RUN.sites[wc.site].dataset.to_json(),
         # A classifier's labels are checked here, before any expensive stage reads them.
-        labels=(f"--num-labels {RUN.model['num_labels']}" if CLASSIFICATION else ""),
+        labels=(f"--num-labels {RUN.model.num_labels}" if CLASSIFICATION else ""),
     shell:
-        "python -m fedtune.download data --spec {params.spec:q} {params.labels}"
+        "python -m fedtune.download data --options {params.options:q} {params.labels}"
         " --out {output:q} > {log:q} 2>&1"
 
 
@@ -36,11 +36,11 @@ rule download_model:
         # A model built from scratch gets a tokenizer trained on every site's training text.
         corpora=lambda wc: (
             [raw_data_dir(site) for site in SITES]
-            if RUN.model["source"] == "init"
+            if RUN.model.source == "init"
             else []
         ),
         # A GGUF file is converted here: a newer file makes a new base model.
-        gguf=lambda wc: ([RUN.model["path"]] if RUN.model["source"] == "gguf" else []),
+        gguf=lambda wc: ([RUN.model.path] if RUN.model.source == "gguf" else []),
     output:
         directory(base_model_dir()),
     log:
@@ -52,11 +52,11 @@ rule download_model:
         CONTAINER
     params:
         # Functions, not strings: the templates' {text} must not be read as a wildcard.
-        spec=lambda wc: to_json(RUN.model),
+        options=lambda wc: RUN.model.to_json(),
         corpora=lambda wc: to_json(tokenizer_corpora()),
         task=TASK,
     shell:
-        "python -m fedtune.download model --spec {params.spec:q} --corpora {params.corpora:q}"
+        "python -m fedtune.download model --options {params.options:q} --corpora {params.corpora:q}"
         " --task {params.task} --out {output:q} > {log:q} 2>&1"
 
 
