@@ -246,6 +246,7 @@ def test_options_objects_have_exactly_the_schema_keys():
         DatasetOptions,
         EvaluateOptions,
         ModelOptions,
+        TrackingOptions,
         TrainOptions,
         schema,
     )
@@ -254,6 +255,7 @@ def test_options_objects_have_exactly_the_schema_keys():
     sections = {
         TrainOptions: schema(TrainOptions.SCHEMA),
         EvaluateOptions: schema(EvaluateOptions.SCHEMA),
+        TrackingOptions: schema(TrackingOptions.SCHEMA),
         ModelOptions: definitions["model"],
         BpeOptions: definitions["model"]["properties"]["tokenizer"],
         DatasetOptions: definitions["dataset"],

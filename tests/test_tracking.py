@@ -4,6 +4,7 @@ offline run's .wandb file decoded with wandb's protobuf messages), compared with
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import struct
@@ -81,13 +82,22 @@ def test_loss_row_metrics_reads_train_rows():
         tracking.loss_row_metrics("1,2,3")
 
 
-def test_schema_defaults_are_the_modules_and_bad_values_are_named():
-    config = check_config(demo_config())
-    assert config["tracking"] == tracking.DEFAULTS
+def test_the_section_is_typed_with_the_schema_defaults_and_bad_values_are_named():
+    from fedtune.core.config import TrackingOptions, build_run_config
+
+    run = build_run_config(demo_config())
+    assert run.tracking == TrackingOptions("none", None, None, None, "offline", 1)
+    assert not run.tracking.on
+    # The stage CLIs' --tracking JSON round-trips to the same object.
+    resolved = dataclasses.replace(run.tracking, backend="tensorboard", dir="/tmp/t")
+    assert TrackingOptions.from_json(resolved.to_json()) == resolved
     with pytest.raises(ConfigError, match="tracking.backend"):
         check_config(demo_config(tracking={"backend": "mlflow"}))
-    with pytest.raises(tracking.TrackingError, match="tracking.backend: 'mlflow'"):
+    # A mapping given to the module (a CLI's JSON) is checked by the same schema.
+    with pytest.raises(ConfigError, match="tracking.backend: 'mlflow'"):
         tracking.from_options({"backend": "mlflow"}, group="demo", job_type="train")
+    with pytest.raises(ConfigError, match="colour"):
+        tracking.from_options({"colour": "red"}, group="demo", job_type="train")
 
 
 def test_backend_none_writes_nothing(tmp_path):

@@ -495,6 +495,29 @@ class TrainOptions(_Options):
 
 
 @dataclass(frozen=True)
+class TrackingOptions(_Options):
+    """tracking.schema.yaml: where training curves and results go beside the run folder's files
+    (fedtune.core.tracking). The stage CLIs take it as `--tracking '<json>'`, its dir resolved."""
+
+    SCHEMA = "tracking.schema.yaml"
+
+    backend: str
+    project: str | None
+    entity: str | None
+    dir: str | None
+    wandb_mode: str
+    log_every: int
+
+    @classmethod
+    def from_mapping(cls, data: Mapping, *, source: str = "--tracking", prefix: str = "tracking"):
+        return cls(**cls._validated(data, source, prefix))
+
+    @property
+    def on(self) -> bool:
+        return self.backend != "none"
+
+
+@dataclass(frozen=True)
 class EvaluateOptions(_Options):
     """evaluate.schema.yaml."""
 
@@ -1006,7 +1029,7 @@ class RunConfig:
     sweep_site: str | None
     sweep_axis: str | None
     sweep: tuple[SweepPoint, ...]
-    tracking: dict
+    tracking: TrackingOptions
 
     @property
     def run_dir(self) -> Path:
@@ -1236,7 +1259,7 @@ def build_run_config(config: dict, *, source: str = "config", base_dir: Path | N
         sweep_site=sweep_site,
         sweep_axis=sweep["axis"] if sweep else None,
         sweep=points,
-        tracking=config["tracking"],
+        tracking=TrackingOptions.from_mapping(config["tracking"], source=source),
     )
 
 

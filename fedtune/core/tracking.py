@@ -31,17 +31,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from fedtune.core import cli
-from fedtune.core.config import UserError, parse_json
+from fedtune.core.config import TrackingOptions, UserError
 
-BACKENDS = ("none", "tensorboard", "wandb")
-DEFAULTS = {
-    "backend": "none",
-    "project": None,
-    "entity": None,
-    "dir": None,
-    "wandb_mode": "offline",
-    "log_every": 1,
-}
 DEFAULT_PROJECT = "fedtune"
 LOSS_HEADER = "step,epoch,loss,lr,grad_norm,tokens_per_s,peak_mem_mb"
 
@@ -181,55 +172,56 @@ class WandbTracker(Tracker):
             wandb.teardown()
 
 
-def options_with_defaults(tracking: Mapping | None) -> dict:
-    options = {**DEFAULTS, **(tracking or {})}
-    unknown = sorted(set(options) - set(DEFAULTS))
-    if unknown:
-        raise TrackingError(f"tracking: unknown key(s) {', '.join(unknown)} (known: {', '.join(DEFAULTS)})")
-    if options["backend"] not in BACKENDS:
-        raise TrackingError(f"tracking.backend: {options['backend']!r} is not one of {', '.join(BACKENDS)}")
-    return options
+Tracking = TrackingOptions | Mapping | None
 
 
-def check_available(tracking: Mapping | None) -> dict:
-    """The section with defaults, once its backend's package is known to import: a stage calls this
-    before its expensive part, so a missing extra fails the job at once, not after hours."""
-    options = options_with_defaults(tracking)
-    package = {"tensorboard": "tensorboard", "wandb": "wandb"}.get(options["backend"])
+def options_of(tracking: Tracking) -> TrackingOptions:
+    """The typed section: as given, or from a mapping checked against tracking.schema.yaml (defaults
+    filled in, a bad key or value named); None: tracking off."""
+    if isinstance(tracking, TrackingOptions):
+        return tracking
+    return TrackingOptions.from_mapping(tracking or {})
+
+
+def check_available(tracking: Tracking) -> TrackingOptions:
+    """The typed section, once its backend's package is known to import: a stage calls this before its
+    expensive part, so a missing extra fails the job at once, not after hours."""
+    options = options_of(tracking)
+    package = {"tensorboard": "tensorboard", "wandb": "wandb"}.get(options.backend)
     if package is not None:
         import importlib.util
 
         if importlib.util.find_spec(package) is None:
             raise TrackingError(
-                f"tracking.backend: {options['backend']} needs the {package} package: pip install -e '.[tracking]'"
+                f"tracking.backend: {options.backend} needs the {package} package: pip install -e '.[tracking]'"
             )
     return options
 
 
-def tracking_dir(tracking: Mapping | None, run_dir: str | Path | None) -> Path:
+def tracking_dir(tracking: Tracking, run_dir: str | Path | None) -> Path:
     """Where the backend writes: tracking.dir, or <results>/<run>/tracking."""
-    options = options_with_defaults(tracking)
-    if not options["dir"] and run_dir is None:
+    options = options_of(tracking)
+    if not options.dir and run_dir is None:
         raise TrackingError("tracking.dir: not set, and no run folder to put it in")
-    base = Path(options["dir"]) if options["dir"] else Path(run_dir) / "tracking"
-    return base / options["backend"] if options["backend"] == "tensorboard" else base
+    base = Path(options.dir) if options.dir else Path(run_dir) / "tracking"
+    return base / options.backend if options.backend == "tensorboard" else base
 
 
-def from_options(tracking: Mapping | None, *, group: str, job_type: str) -> Tracker:
+def from_options(tracking: Tracking, *, group: str, job_type: str) -> Tracker:
     """An unopened tracker for the config's `tracking` section (None: track nothing)."""
-    options = options_with_defaults(tracking)
-    if options["backend"] == "tensorboard":
-        return TensorBoardTracker(log_every=options["log_every"])
-    if options["backend"] == "wandb":
+    options = options_of(tracking)
+    if options.backend == "tensorboard":
+        return TensorBoardTracker(log_every=options.log_every)
+    if options.backend == "wandb":
         return WandbTracker(
-            project=options["project"] or DEFAULT_PROJECT, entity=options["entity"], mode=options["wandb_mode"],
-            group=group, job_type=job_type, log_every=options["log_every"],
+            project=options.project or DEFAULT_PROJECT, entity=options.entity, mode=options.wandb_mode,
+            group=group, job_type=job_type, log_every=options.log_every,
         )  # fmt: skip
     return Tracker()
 
 
 def start(
-    tracking: Mapping | None,
+    tracking: Tracking,
     *,
     run: str,
     round: int,
@@ -267,10 +259,10 @@ def evaluation_metrics(result: Mapping) -> dict:
 
 
 def log_evaluation(
-    tracking: Mapping | None, result: Mapping, *, run: str, run_dir: str | Path | None = None
+    tracking: Tracking, result: Mapping, *, run: str, run_dir: str | Path | None = None
 ) -> None:
     """Send one evaluate result (the JSON evaluate writes) to the evaluated model's tracked run."""
-    if options_with_defaults(tracking)["backend"] == "none":
+    if not options_of(tracking).on:
         return
     config = {"site": result["site"], "model": result["model"], "split": result.get("split")}
     with start(
@@ -294,10 +286,10 @@ def aggregate_metrics(record: Mapping) -> dict:
 
 
 def log_aggregate(
-    tracking: Mapping | None, record: Mapping, *, run: str, round: int, run_dir: str | Path | None = None
+    tracking: Tracking, record: Mapping, *, run: str, round: int, run_dir: str | Path | None = None
 ) -> None:
     """Send one aggregate.json record to the tracked run (run, round, aggregate)."""
-    if options_with_defaults(tracking)["backend"] == "none":
+    if not options_of(tracking).on:
         return
     config = {
         "method": record.get("method"),
@@ -314,7 +306,7 @@ def log_aggregate(
 
 
 def log_training_folder(
-    tracking: Mapping | None,
+    tracking: Tracking,
     model_dir: str | Path,
     *,
     run: str,
@@ -356,7 +348,7 @@ def main(argv=None) -> int:
     parser.add_argument("--round", type=int, help="training, aggregate: the round")
     parser.add_argument("--site", help="training: the site")
     args = parser.parse_args(argv)
-    options = check_available(parse_json(args.tracking, "--tracking"))
+    options = check_available(TrackingOptions.from_json(args.tracking, source="--tracking"))
     if args.what == "evaluation":
         log_evaluation(options, cli.json_file(args.path, "--path"), run=args.run_name)
     elif args.round is None or (args.what == "training" and args.site is None):

@@ -33,6 +33,7 @@ from fedtune.core.config import (
     CLASSIFICATION,
     TASKS,
     EvaluateOptions,
+    TrackingOptions,
     UserError,
     check_fits,
     check_template,
@@ -404,16 +405,12 @@ def resolve_options(options_json: str | None, flags: dict) -> EvaluateOptions:
     return dataclasses.replace(options, **given)
 
 
-def _tracking_options(args) -> dict | None:
+def _tracking_options(args) -> TrackingOptions | None:
     """The tracking section of --tracking, checked before any model loads (None: not tracked)."""
     if args.tracking is None:
         return None
-    try:
-        options = json.loads(args.tracking)
-    except json.JSONDecodeError as e:
-        raise tracking.TrackingError(f"--tracking: not valid JSON: {e}") from None
-    options = tracking.check_available(options)
-    if options["backend"] != "none" and (args.run_name is None or args.round is None or args.label is None):
+    options = tracking.check_available(TrackingOptions.from_json(args.tracking, source="--tracking"))
+    if options.on and (args.run_name is None or args.round is None or args.label is None):
         raise tracking.TrackingError(
             "--tracking: needs --run-name, --round and --label to name the tracked run"
         )

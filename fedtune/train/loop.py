@@ -36,7 +36,7 @@ from pathlib import Path
 
 from fedtune.core import adapters, cli, tracking
 from fedtune.core.atomic import atomic_dir, write_json, write_text
-from fedtune.core.config import CAUSAL_LM, CLASSIFICATION, ConfigError, TrainOptions
+from fedtune.core.config import CAUSAL_LM, CLASSIFICATION, ConfigError, TrackingOptions, TrainOptions
 from fedtune.core.models import load_model, load_tokenizer, save_model
 from fedtune.tokenize.blocks import BlockOrder, Blocks, manifest_shards, trained_tokens
 from fedtune.tokenize.shards import verify_shard
@@ -143,7 +143,11 @@ class TrainJob:
             site=args.site, init=args.init, manifest=tuple(args.manifest), checkpoints=args.checkpoints,
             out=args.out, dtype=args.dtype, allow_pickle=args.allow_pickle, summary_only=args.summary_only,
             optimizer_in=args.optimizer_in, optimizer_out=args.optimizer_out,
-            tracking=tracking.check_available(json.loads(args.tracking)) if args.tracking else None,
+            tracking=(
+                tracking.check_available(TrackingOptions.from_json(args.tracking, source="--tracking"))
+                if args.tracking
+                else None
+            ),
             run=args.run_name,
         )  # fmt: skip
 

@@ -1,5 +1,6 @@
 # The config as objects (fedtune.core.config, where every rule of the config lives), the results layout and
 # the input functions every rule file uses.
+import dataclasses
 import json
 import os
 import shlex
@@ -239,12 +240,10 @@ def tracking_args():
     nothing when tracking is off. Params use it through a function: the JSON's braces are no wildcards.
     """
     options = RUN.tracking
-    if options["backend"] == "none":
+    if not options.on:
         return ""
-    resolved = dict(options, dir=options["dir"] or run_path("tracking"))
-    return (
-        f"--tracking {shlex.quote(to_json(resolved))} --run-name {shlex.quote(RUN.run)}"
-    )
+    resolved = dataclasses.replace(options, dir=options.dir or run_path("tracking"))
+    return f"--tracking {shlex.quote(resolved.to_json())} --run-name {shlex.quote(RUN.run)}"
 
 
 # Aggregate jobs.
