@@ -126,7 +126,8 @@ def test_fedadam_three_rounds_with_a_controller_killed_mid_round(tmp_path, ssh):
 
 def test_adapters_three_rounds_both_pulling(tmp_path, ssh):
     """train.adapter: only adapters cross, each cluster pulls (Leonardo over SSH, Karolina from a
-    shared path), and both merge every aggregate adapter themselves."""
+    shared path), and both merge every aggregate adapter themselves: Karolina inside its training jobs
+    (train_merging), into the same bits as Leonardo's merge_adapter."""
     config = lean_config()
     config["train"] = {**config["train"], "adapter": {"r": 4}}
     config["aggregate"] = {"adapter_merge": "exact"}
@@ -140,7 +141,12 @@ def test_adapters_three_rounds_both_pulling(tmp_path, ssh):
     finish(leo, leonardo), finish(kar, karolina)
     expected = one_cluster(tmp_path, config)
     assert expected and weights(leonardo) == expected
-    assert weights(karolina, ROUNDS - 1) == weights(leonardo, ROUNDS - 1)
+    # Karolina's start of each later round is Leonardo's merged aggregate of the round before, bit for bit.
+    for r in range(2, ROUNDS + 1):
+        folder = karolina_run / f"round-{r}" / "beta" / "start"
+        merged = {p.name: p.read_bytes() for p in folder.glob("*.safetensors")}
+        assert merged and merged == weights(leonardo, r - 1), r
+    assert not (karolina_run / "round-1" / "aggregate" / "model").exists()  # no merge job of its own
     assert (leonardo_run / f"round-{ROUNDS - 1}/aggregate/adapter.COMPLETE").is_file()
 
 

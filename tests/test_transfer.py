@@ -175,8 +175,9 @@ def test_a_missing_remote_names_the_command_to_run_where(tmp_path, tiny_model_di
 
 
 def test_with_adapters_only_adapters_cross_and_each_cluster_merges_the_aggregate(tmp_path, tiny_model_dir):
-    """On karolina (the models meet on leonardo): round 2 of beta needs round 1's aggregate adapter from
-    leonardo, merged here into the round's start model; no model crosses."""
+    """On karolina (the models meet on leonardo): rounds 2 and 3 of beta need the previous round's
+    aggregate adapter from leonardo, merged here into the previous start model by the training job
+    itself (train_merging: one Slurm job per training); no model crosses."""
     karolina = tmp_path / "karolina"
     karolina.mkdir()
     config = demo_config(cluster="karolina")
@@ -184,25 +185,40 @@ def test_with_adapters_only_adapters_cross_and_each_cluster_merges_the_aggregate
     config["sites"]["beta"]["cluster"] = "karolina"
     config["train"] = {**config["train"], "adapter": {"r": 4}}
     config["aggregate"] = {"adapter_merge": "exact"}
-    config["federation"] = {"rounds": 2, "aggregate_on": "leonardo", "remotes": {"leonardo": "me@leo:/run"}}
+    config["federation"] = {"rounds": 3, "aggregate_on": "leonardo", "remotes": {"leonardo": "me@leo:/run"}}
     write_config(karolina, config)
-    jobs = dry_run(karolina, "results/demo/round-2/beta/model")
+    jobs = dry_run(karolina, "results/demo/round-3/beta/model")
     by_rule = {job.name: job for job in jobs}
     assert "aggregate_adapters" not in by_rule and "aggregate" not in by_rule
-    assert "--source me@leo:/run/round-1/aggregate/adapter " in by_rule["fetch_aggregate"].shell
-    merge = by_rule["merge_adapter"].shell
-    assert "--merge results/demo/round-1/aggregate/adapter --base results/demo/model/base" in merge
-    assert "--out results/demo/round-1/aggregate/model" in merge
-    # The aggregate is waited for only after this cluster's own models of its round, which it needs.
-    trains = {job.wildcards["round"]: job for job in jobs if job.name == "train"}
-    assert sorted(trains) == ["1", "2"] and all(job.wildcards["site"] == "beta" for job in trains.values())
-    assert "--init results/demo/round-1/aggregate/model" in trains["2"].shell
+    assert "merge_adapter" not in by_rule  # no Slurm job of its own here
+    fetches = {job.wildcards["round"]: job.shell for job in jobs if job.name == "fetch_aggregate"}
+    assert sorted(fetches) == ["1", "2"]
+    assert "--source me@leo:/run/round-1/aggregate/adapter " in fetches["1"]
+    trains = {job.wildcards["round"]: job for job in jobs if job.name in ("train", "train_merging")}
+    assert sorted(trains) == ["1", "2", "3"] and all(
+        job.wildcards["site"] == "beta" for job in trains.values()
+    )
+    assert trains["1"].name == "train" and "--merge" not in trains["1"].shell
+    assert "--init results/demo/model/base" in trains["1"].shell
+    # Round 2 merges round 1's adapter into the base, round 3 round 2's into round 2's start; each
+    # then trains from what it merged, in the same job.
+    for round, base in (("2", "results/demo/model/base"), ("3", "results/demo/round-2/beta/start")):
+        shell = trains[round].shell
+        assert trains[round].name == "train_merging", round
+        previous = int(round) - 1
+        merge = (
+            f"python -m fedtune.aggregate.adapters --merge results/demo/round-{previous}/aggregate/adapter"
+            f" --base {base} --out results/demo/round-{round}/beta/start"
+        )
+        assert shell.index(merge) < shell.index("-m fedtune.train"), shell
+        assert f"--init results/demo/round-{round}/beta/start " in shell
 
 
 @pytest.mark.parametrize("adapters", [False, True])
 def test_the_dry_run_prints_the_slurm_jobs_per_round_it_plans(tmp_path, adapters):
     """With a Slurm profile: S trainings + 1 merge-and-evaluate job a round where the models meet, the
-    trainings elsewhere (with adapters one merge_adapter job more there); the printed line agrees."""
+    trainings alone elsewhere (with adapters too: the trainings merge their start model); the printed line
+    agrees."""
     config = demo_config(cluster="leo")
     config["sites"]["alpha"]["cluster"] = "leo"
     config["sites"]["beta"]["cluster"] = "karo"
@@ -217,8 +233,7 @@ def test_the_dry_run_prints_the_slurm_jobs_per_round_it_plans(tmp_path, adapters
         config["aggregate"] = {"adapter_merge": "exact"}
     else:
         config["aggregate"] = {**config["aggregate"], "compare": ["ties"]}
-    # With adapters, karo merges each aggregate adapter it trains the next round from (not the last one).
-    expected = {"leo": [2, 2, 2], "karo": [2, 2, 1] if adapters else [1, 1, 1]}
+    expected = {"leo": [2, 2, 2], "karo": [1, 1, 1]}
     for cluster, jobs in expected.items():
         workdir = tmp_path / cluster
         workdir.mkdir()

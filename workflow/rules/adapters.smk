@@ -1,7 +1,8 @@
 # Adapters (train.adapter): the sites' LoRA adapters are combined into one adapter where the models
 # meet (aggregate.adapter_merge), and every cluster merges that adapter into the round's start model
-# itself, so only adapters cross between clusters. The next round starts from the merged model with
-# fresh adapters (FLoRA).
+# itself, so only adapters cross between clusters: merge_adapter in the round's merge job where the
+# models meet, the training job itself on the other clusters (train_merging). The next round starts
+# from the merged model with fresh adapters (FLoRA).
 
 if ADAPTERS and aggregates_here():
 
@@ -43,7 +44,7 @@ if ADAPTERS and aggregates_here():
             " --manifest {params.manifests:q} > {log:q} 2>&1"
 
 
-if ADAPTERS:
+if ADAPTERS and aggregates_here():
 
     rule merge_adapter:
         input:
@@ -68,3 +69,33 @@ if ADAPTERS:
         shell:
             "python -m fedtune.aggregate.adapters --merge {input.adapter:q} --base {input.start:q}"
             " --out {output:q} --options {params.options:q} > {log:q} 2>&1"
+
+
+if MERGES_IN_TRAINING:
+
+    # A training of round r >= 2 on a cluster where the models do not meet: the job first merges round
+    # r-1's aggregate adapter into round r-1's start model (the same command as merge_adapter, so the
+    # same bits), then trains from it. One Slurm job per training and round; each local site keeps its
+    # own copy of the start model (round-<r>/<site>/start), which never crosses to another cluster.
+    use rule train as train_merging with:
+        input:
+            init=previous_start,
+            adapter=lambda wc: aggregate_adapter_dir(int(wc.round) - 1),
+            manifest=lambda wc: manifest_path(wc.site),
+            shards=lambda wc: shard_dirs(wc.site, "train"),
+            optimizer=previous_optimizer,
+        output:
+            **OPTIMIZER_OUTPUT,
+            model=directory(site_model_dir("{round}", "{site}")),
+            start=directory(site_start_dir("{round}", "{site}")),
+        wildcard_constraints:
+            site=one_of(LOCAL_SITES),
+            round=r"[2-9]|[1-9]\d+",
+        params:
+            start=lambda wc, output: output.start,
+            merge=lambda wc, input, output: (
+                f"python -m fedtune.aggregate.adapters --merge {shlex.quote(input.adapter)}"
+                f" --base {shlex.quote(input.init)} --out {shlex.quote(output.start)}"
+                f" --options {shlex.quote(RUN.aggregate.merge_json())}"
+                f" >> {shlex.quote(log_path('train', f'round-{wc.round}', wc.site))} 2>&1 && "
+            ),

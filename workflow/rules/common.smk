@@ -141,8 +141,11 @@ def init_model_dir(round):
 
 # train.adapter: the sites train LoRA adapters (fedtune.core.adapters). Their model folders hold adapters,
 # which are what moves between clusters; the round's aggregate adapter is merged into the round's start
-# model on every cluster (rule merge_adapter), and the next round starts from that with fresh adapters.
+# model on every cluster, and the next round starts from that with fresh adapters. Where the models meet
+# rule merge_adapter does it in the round's merge job; on the other clusters each training job of round
+# r >= 2 does it first (rule train_merging), so that a round costs one Slurm job per training there.
 ADAPTERS = any(site.train.adapter for site in RUN.sites.values())
+MERGES_IN_TRAINING = ADAPTERS and not aggregates_here()
 
 
 if ADAPTERS and not workflow.remote_exec:
@@ -154,6 +157,19 @@ if ADAPTERS and not workflow.remote_exec:
 
 def aggregate_adapter_dir(round):
     return run_path(f"round-{round}", "aggregate", "adapter")
+
+
+def site_start_dir(round, site):
+    """train_merging's copy of round `round`'s start model at `site` (the previous round's start with
+    its aggregate adapter merged in; bit for bit the aggregating cluster's merge_adapter output).
+    """
+    return run_path(f"round-{round}", site, "start")
+
+
+def previous_start(wildcards):
+    """What train_merging merges round r-1's aggregate adapter into: round r-1's start at this site."""
+    round = int(wildcards.round) - 1
+    return base_model_dir() if round == 1 else site_start_dir(round, wildcards.site)
 
 
 def adapter_base(wildcards):
@@ -578,8 +594,7 @@ def slurm_jobs_per_round(cluster, round):
         1 for site in SITES if cluster is None or site_cluster(site) == cluster
     )
     if cluster is not None and cluster != AGGREGATE_ON:
-        # merge_adapter, for the next round's start
-        return trains + (1 if ADAPTERS and round < ROUNDS[-1] else 0)
+        return trains  # with adapters, each training merges its start model first (train_merging)
     parts = (
         (2 if ADAPTERS else 1) + len(RUN.aggregate.compare) + len(round_models(round))
     )
@@ -595,13 +610,8 @@ def slurm_jobs_lines():
     for cluster in clusters:
         counts = [slurm_jobs_per_round(cluster, r) for r in ROUNDS]
         trains = sum(1 for s in SITES if cluster is None or site_cluster(s) == cluster)
-        rest = (
-            "merge-and-evaluate"
-            if cluster is None or cluster == AGGREGATE_ON
-            else "merge_adapter"
-        )
         where = "" if cluster is None else f" on {cluster}"
-        rest = f", the rest {rest}" if max(counts) > trains else ""
+        rest = ", the rest merge-and-evaluate" if max(counts) > trains else ""
         lines.append(
             f"fedtune: Slurm jobs per round{where}: {', '.join(map(str, counts))} (rounds 1-{ROUNDS[-1]}: "
             f"{trains} training{'s' * (trains != 1)}{rest})"

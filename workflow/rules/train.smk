@@ -20,6 +20,8 @@ rule train:
     wildcard_constraints:
         # Sites of other clusters come in through fetch_site_model (transfer.smk).
         site=one_of(LOCAL_SITES),
+        # Where train_merging makes the later rounds (below): round 1 only.
+        round="1" if MERGES_IN_TRAINING else r"\d+",
     # Retried by the main Snakemake, in a new Slurm job; never by the job's own Snakemake (REMOTE mode),
     # which would restart training in the same allocation, minutes before its time limit.
     retries: 0 if workflow.remote_exec else max(RUN.sites[site].train.retries for site in SITES)
@@ -44,13 +46,16 @@ rule train:
         dtype=RUN.model.dtype,
         checkpoints=lambda wc: run_path(f"round-{wc.round}", wc.site, "checkpoints"),
         pickle="--allow-pickle" if RUN.model.allow_pickle else "",
+        # The model training starts from; train_merging makes it in the job first.
+        start=lambda wc, input: input.init,
+        merge="",
         round_args=round_args,
         summary_only="",
         tracking=lambda wc: tracking_args(),
     shell:
         # Appended, not overwritten: a resumed attempt keeps the log of the one it continues.
-        "{params.launcher:q} {params.launch} -- python -m fedtune.train --site {params.site}"
-        " --init {input.init:q} --manifest {input.manifest:q} --options {params.options:q}"
+        "{params.merge}{params.launcher:q} {params.launch} -- python -m fedtune.train --site {params.site}"
+        " --init {params.start:q} --manifest {input.manifest:q} --options {params.options:q}"
         " --dtype {params.dtype} --checkpoints {params.checkpoints:q} --out {output.model:q}"
         " {params.round_args} {params.pickle} {params.summary_only} {params.tracking}"
         " >> {log:q} 2>&1"
