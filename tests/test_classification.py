@@ -348,6 +348,7 @@ def test_report_tabulates_accuracy_and_macro_f1(tmp_path):
 ADAPTER = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("adapter", [None, ADAPTER], ids=["full", "adapter"])
 def test_classification_runs_end_to_end_on_cpu(tmp_path, adapter):
     """Labelled reviews at two sites, a tiny Llama classifier from scratch, FSDP on 2 CPU processes:

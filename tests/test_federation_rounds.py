@@ -10,6 +10,8 @@ import signal
 import subprocess
 import time
 
+import pytest
+
 from .workflow_harness import ROOT, VENV_BIN, demo_config, snakemake, write_config
 
 ROUND3 = "results/demo/round-3/aggregate/model"
@@ -26,6 +28,7 @@ def small_federation() -> dict:
     return config
 
 
+@pytest.mark.slow
 def test_killed_between_rounds_two_and_three_ends_with_the_same_round_three_model(tmp_path):
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     for workdir in (whole, killed):
