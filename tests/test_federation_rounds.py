@@ -35,8 +35,8 @@ def test_killed_between_rounds_two_and_three_ends_with_the_same_round_three_mode
         workdir.mkdir()
         write_config(workdir, small_federation())
     snakemake(whole, ROUND3)
-    # The same data and base model (copied with their times): only the rounds run again.
-    for part in ("data", "model"):
+    # The same data, base model and round 1 (copied with their times): rounds 2 and 3 run again.
+    for part in ("data", "model", "round-1"):
         shutil.copytree(
             whole / "results/demo" / part, killed / "results/demo" / part, copy_function=shutil.copy2
         )
