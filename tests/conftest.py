@@ -39,6 +39,14 @@ def pytest_configure(config):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def pytest_collection_modifyitems(config, items):
+    """The files that hold a slow test (marker `slow`) first, each file's tests in their own order. `make
+    test` runs the files on two workers (pytest-xdist, --dist loadfile), which take them in this order: a
+    long file started early runs beside the short ones instead of ending the run alone."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield

@@ -20,7 +20,7 @@ from fedtune.download.fetch import DownloadError, download_data, download_model
 from fedtune.evaluate.scores import EvaluateError, classification_metrics, evaluate
 from fedtune.tokenize.shards import TokenizeError, encode_examples, tokenize_shard, verify_shard
 from tests.conftest import TINY_ARCHITECTURE, corpus
-from tests.workflow_harness import snakemake, write_config
+from tests.workflow_harness import planned_jobs, snakemake, write_config
 
 NUM_LABELS = 3
 
@@ -364,14 +364,10 @@ def test_report_tabulates_accuracy_and_macro_f1(tmp_path):
 ADAPTER = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"}
 
 
-@pytest.mark.parametrize("adapter", [None, ADAPTER], ids=["full", "adapter"])
-def test_classification_runs_end_to_end_on_cpu(tmp_path, adapter):
-    """Labelled reviews at two sites, a tiny Llama classifier from scratch, FSDP on 2 CPU processes:
-    each site model beats the base model's accuracy on its own test set, and the report tables it."""
-    from fedtune.download.demo_data import write_reviews
-
-    write_reviews(tmp_path / "reviews")
-    config = {
+def reviews_config(root: Path, adapter: dict | None) -> dict:
+    """Labelled reviews at two sites (written under root), a tiny Llama classifier from scratch, FSDP on 2
+    CPU processes."""
+    return {
         "run": "reviews",
         "task": CLASSIFICATION,
         "model": {
@@ -385,8 +381,7 @@ def test_classification_runs_end_to_end_on_cpu(tmp_path, adapter):
                 "dataset": {
                     "source": "local",
                     "data_files": {
-                        split: str(tmp_path / "reviews" / site / f"{split}.jsonl")
-                        for split in ("train", "test")
+                        split: str(root / "reviews" / site / f"{split}.jsonl") for split in ("train", "test")
                     },
                 },
                 "prompt_template": "Review: {text}",
@@ -405,9 +400,46 @@ def test_classification_runs_end_to_end_on_cpu(tmp_path, adapter):
             "adapter": adapter,
         },
     }
-    write_config(tmp_path, config)
-    # Jobs keep about one core busy each (OMP_NUM_THREADS=1): twice the cores schedules them sooner.
-    snakemake(tmp_path, "--cores", str(2 * (os.cpu_count() or 1)))
+
+
+# Jobs keep about one core busy each (OMP_NUM_THREADS=1): twice the cores schedules them sooner.
+CORES = str(2 * (os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="module")
+def reviews_prepared(tmp_path_factory) -> Path:
+    """The stages before training, through the workflow, once for both runs below: the reviews downloaded
+    and tokenized, the base classifier built and scored. None of them depends on train.adapter."""
+    from fedtune.download.demo_data import write_reviews
+
+    root = tmp_path_factory.mktemp("reviews")
+    write_reviews(root / "reviews")
+    write_config(root, reviews_config(root, None))
+    targets = [f"results/reviews/data/{site}/manifest.json" for site in ("alpha", "beta")]
+    targets += ["results/reviews/model/base"] + [
+        f"results/reviews/eval/base/{s}.json" for s in ("alpha", "beta")
+    ]
+    snakemake(root, *targets, "--cores", CORES)
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("adapter", [None, ADAPTER], ids=["full", "adapter"])
+def test_classification_runs_end_to_end_on_cpu(reviews_prepared, tmp_path, adapter):
+    """From the prepared data and base model (copied with their times: the workflow takes them as done),
+    the rest of the workflow: each site model beats the base model's accuracy on its own test set, and
+    the report tables it."""
+    for part in ("data", "model", "eval"):
+        shutil.copytree(
+            reviews_prepared / "results/reviews" / part,
+            tmp_path / "results/reviews" / part,
+            copy_function=shutil.copy2,
+        )
+    write_config(tmp_path, reviews_config(reviews_prepared, adapter))
+    result = snakemake(tmp_path, "--cores", CORES)
+    # Only the stages from training on ran here.
+    ran = {job.name for job in planned_jobs(result.stdout + result.stderr)}
+    assert "train" in ran and not ran & {"download_data", "download_model", "tokenize", "evaluate_base"}, ran
     run = tmp_path / "results" / "reviews"
 
     def accuracy(path: Path) -> float:

@@ -21,6 +21,8 @@ from fedtune.core.config import EvaluateOptions
 from . import report_browser
 from .workflow_harness import ROOT, demo_config, snakemake, write_config
 
+# Every test here needs the demo's run (the module fixture: about 4 minutes on 2 cores).
+pytestmark = pytest.mark.slow
 CONFIG = demo_config()
 ROUNDS = CONFIG["federation"]["rounds"]
 STEPS = CONFIG["train"]["max_steps"]

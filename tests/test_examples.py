@@ -104,6 +104,7 @@ def twin(request, tmp_path_factory):
     }
 
 
+@pytest.mark.slow
 def test_twin_changes_only_sizes_and_locations(twin):
     example, config = twin["example"], twin["twin"]
     check_config(load(twin["workdir"] / "config.yaml"), source="twin")
@@ -135,6 +136,7 @@ def test_twin_changes_only_sizes_and_locations(twin):
         assert any(f"#   {key}: " in comments for key in listed), (path, comments)
 
 
+@pytest.mark.slow
 def test_stand_ins_have_the_hub_models_class_and_the_hub_datasets_layout(twin):
     from datasets import load_dataset
 
@@ -164,6 +166,7 @@ def test_stand_ins_have_the_hub_models_class_and_the_hub_datasets_layout(twin):
                 assert set(labels) == set(range(config["model"]["num_labels"])), (name, split)
 
 
+@pytest.mark.slow
 def test_twin_runs_the_whole_workflow(twin):
     result = twin["result"]
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"

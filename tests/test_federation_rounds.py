@@ -10,6 +10,8 @@ import signal
 import subprocess
 import time
 
+import pytest
+
 from .workflow_harness import ROOT, VENV_BIN, demo_config, snakemake, write_config
 
 ROUND3 = "results/demo/round-3/aggregate/model"
@@ -26,14 +28,15 @@ def small_federation() -> dict:
     return config
 
 
+@pytest.mark.slow
 def test_killed_between_rounds_two_and_three_ends_with_the_same_round_three_model(tmp_path):
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     for workdir in (whole, killed):
         workdir.mkdir()
         write_config(workdir, small_federation())
     snakemake(whole, ROUND3)
-    # The same data and base model (copied with their times): only the rounds run again.
-    for part in ("data", "model"):
+    # The same data, base model and round 1 (copied with their times): rounds 2 and 3 run again.
+    for part in ("data", "model", "round-1"):
         shutil.copytree(
             whole / "results/demo" / part, killed / "results/demo" / part, copy_function=shutil.copy2
         )

@@ -88,6 +88,7 @@ def ssh(tmp_path):
     stop_sshd(server)
 
 
+@pytest.mark.slow
 def test_fedadam_three_rounds_with_a_controller_killed_mid_round(tmp_path, ssh):
     """Leonardo pulls beta's models from Karolina over SSH and pushes each aggregate to it; Leonardo's
     controller is killed in round 2 and started again with the same command."""
@@ -124,6 +125,7 @@ def test_fedadam_three_rounds_with_a_controller_killed_mid_round(tmp_path, ssh):
     assert not list((karolina_run / "inbox").rglob("*.COMPLETE"))
 
 
+@pytest.mark.slow
 def test_adapters_three_rounds_both_pulling(tmp_path, ssh):
     """train.adapter: only adapters cross, each cluster pulls (Leonardo over SSH, Karolina from a
     shared path), and both merge every aggregate adapter themselves: Karolina inside its training jobs

@@ -223,6 +223,7 @@ def _bring_time_limit_near(slurm_cluster, workdir, site, lead_s: int = 60) -> st
     return job_id
 
 
+@pytest.mark.slow
 def test_time_limit_checkpoints_exits_75_and_resumes_in_a_new_job(demo_run, slurm_cluster, tmp_path_factory):
     """Both job paths through the executor: site alpha on the mpi path (2 nodes, torchrun launcher), site
     beta on the one-task path (`srun -n1 ... snakemake`, launcher local, one process). When a first job's
@@ -391,6 +392,7 @@ rule crash:
 """
 
 
+@pytest.mark.slow
 def test_time_limit_stops_requeue_the_job_and_use_no_retries(slurm_cluster, tmp_path):
     """Five time-limit stops (exit 75) of one training with `retries: 1`: each time scripts/launch requeues
     its Slurm job, which runs again under the same id and goes on from the checkpoint, and the training

@@ -50,6 +50,7 @@ MAX_STEPS = 12
 # More than one round, so that a round starts from the aggregate of the one before; a third adds minutes.
 MAX_ROUNDS = 2
 TEST_DOCUMENTS = 48
+LOCAL_DOCUMENTS = TEST_DOCUMENTS  # per split, of a local dataset (the repository's own files)
 EVAL_DOCUMENTS = 24
 # A tiny random model learns little in a dozen steps at a pretrained 7B model's fine-tuning rate.
 LR = 0.003
@@ -569,11 +570,15 @@ def twin_config(example: dict, assets: Path, *, source: str) -> dict:
         site["cluster"] = "local"
         dataset = site["dataset"]
         if dataset["source"] == "local":
-            # The repository's own small files (the demo's): kept, by a path the twin's folder reaches.
+            # The repository's own files (data/real, data/demo): kept, by a path the twin's folder reaches,
+            # and cut to as many documents as a stand-in's test split: data/real's are long (500 of them
+            # a site, about 2.6 kB each), more than a dozen steps train on, and evaluating all of them was
+            # the longest part of demo-lora's twin.
             dataset["data_files"] = {
                 split: [str(ROOT / f) for f in ([files] if isinstance(files, str) else files)]
                 for split, files in dataset["data_files"].items()
             }
+            dataset["max_documents"] = min(dataset.get("max_documents") or LOCAL_DOCUMENTS, LOCAL_DOCUMENTS)
             continue
         if dataset["source"] != "hf" or dataset["name"] not in DATASETS:
             raise ConfigError(
