@@ -41,8 +41,10 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     """The files that hold a slow test (marker `slow`) first, each file's tests in their own order. `make
-    test` runs the files on two workers (pytest-xdist, --dist loadfile), which take them in this order: a
-    long file started early runs beside the short ones instead of ending the run alone."""
+    test` runs the files on two workers (pytest-xdist, --dist loadfile), which take them in this order
+    (--no-loadscope-reorder: xdist's own order puts the files with the most tests first, so the long
+    workflow files with few tests came last): a long file started early runs beside the short ones
+    instead of ending the run alone."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow_files)
 
