@@ -57,7 +57,7 @@ import federation_sets as sets  # noqa: E402
 from fedtune.aggregate import server_optimizers  # noqa: E402
 from fedtune.aggregate.merge import normalised, resolve_weights  # noqa: E402
 from fedtune.core import config as fconfig  # noqa: E402
-from fedtune.core import models  # noqa: E402
+from fedtune.core import models, token_counts  # noqa: E402
 from fedtune.evaluate.scores import build_stream, score  # noqa: E402
 from fedtune.tokenize.blocks import BlockOrder  # noqa: E402
 from fedtune.tokenize.shards import encode_documents, pack  # noqa: E402
@@ -96,7 +96,7 @@ def strategy_config(base: dict, strategy: str, candidate: dict | None) -> dict:
     config = copy.deepcopy(base)
     defaults = fconfig.validate_section({}, "aggregate.schema.yaml", source="schema")["server_optimizer"]
     if strategy == "fedavg":
-        config["aggregate"] = {"server_optimizer": {"name": "sgd", "lr": 1.0}}
+        config["aggregate"] = {"server_optimizer": {"name": "sgd", "lr": 1.0}, "vocab_rows": "weights"}
     elif strategy == "default":
         config["aggregate"] = {}
     elif strategy in ("knob-half", "knob-double"):
@@ -136,6 +136,11 @@ class Bench:
             for site, (_, test) in self.texts.items()
         }
         self.round_one: dict[str, dict] = {}
+        # Tied embeddings appear under both names in a state dict (one tensor; the saved model has one).
+        state = self.model.state_dict()
+        shared = {state[name].data_ptr() for name in token_counts.vocab_tensors(self.model)}
+        self.vocab_tensors = tuple(name for name, t in state.items() if t.data_ptr() in shared)
+        self.vocab = self.model.get_input_embeddings().num_embeddings
 
     def _with_files(self, config: dict) -> dict:
         config = copy.deepcopy(config)
@@ -250,7 +255,7 @@ class Bench:
             trained = {}
             for site in self.sites:
                 options = run.sites[site].train
-                key = json.dumps([site, fconfig._plain(options), keep], default=str)
+                key = json.dumps([site, options.to_json(), keep])
                 if r == 1 and key in self.round_one:  # round 1 starts from the base for every strategy
                     trained[site], moments[site] = self.round_one[key]
                     moments[site] = copy.deepcopy(moments[site])
@@ -259,7 +264,16 @@ class Bench:
                                            moments[site] if keep else None)  # fmt: skip
                 if r == 1:
                     self.round_one[key] = (trained[site], copy.deepcopy(moments[site]))
-            state, server_state = merge(state, trained, weights, aggregate.server_optimizer, server_state)
+            counts = None
+            if aggregate.vocab_rows == "counts" and aggregate.method == "fedavg":
+                counts = {}
+                for site in self.sites:
+                    options = run.sites[site].train
+                    counts[site] = round_counts(
+                        self.blocks[site], options, plan, options.max_steps, self.vocab
+                    )
+            state, server_state = merge(state, trained, weights, aggregate.server_optimizer, server_state,
+                                        counts, self.vocab_tensors)  # fmt: skip
             # Scored after rounds 1, R/2 and R from scratch; only after R in the slow fine-tuning regimes.
             if r == run.rounds or (self.regime == "scratch" and r in (1, run.rounds // 2)):
                 for site, value in self.perplexity(state).items():
@@ -268,17 +282,36 @@ class Bench:
         return rows
 
 
-def merge(start: dict, trained: dict, weights: dict, optimizer, state: dict) -> tuple[dict, dict]:
-    """aggregate: delta = sum_i w_i (site_i - start) per tensor, then the server optimizer's update."""
+def round_counts(blocks: np.ndarray, options, plan: RoundPlan, steps: int, vocab: int) -> np.ndarray:
+    """How often each token id occurs in the blocks one site trains on in this round (as training's
+    token_counts.json)."""
+    order = BlockOrder(len(blocks), options.global_batch, options.micro_batch, 1, options.seed)
+    first = plan.first_step(steps)
+    batches = ((blocks[order.global_indices(first + step)],) * 2 for step in range(steps))
+    return token_counts.count(batches, vocab)
+
+
+def merge(start: dict, trained: dict, weights: dict, optimizer, state: dict, counts=None, rows=()):
+    """aggregate: delta = sum_i w_i (site_i - start) per tensor, then the server optimizer's update.
+    With `counts` (site -> token counts of the round; aggregate.vocab_rows: counts), the tensors with a
+    row per token id take the aggregate's row weights."""
     new, new_state = {}, {}
     slots = server_optimizers.slots(optimizer)
+    table = None
+    if counts is not None:
+        table = token_counts.row_weights([counts[s] for s in weights], list(weights.values()))
+        vocab = table.shape[1]
     for name, base in start.items():
         if not base.is_floating_point():
             new[name] = base
             continue
         delta = torch.zeros_like(base, dtype=torch.float32)
-        for site, w in weights.items():
-            delta.add_(trained[site][name].float() - base.float(), alpha=w)
+        by_row = table is not None and name in rows and base.shape[0] == vocab
+        for i, (site, w) in enumerate(weights.items()):
+            if by_row:
+                delta.add_((trained[site][name].float() - base.float()) * table[i][:, None])
+            else:
+                delta.add_(trained[site][name].float() - base.float(), alpha=w)
         out = {slot: torch.empty_like(delta) for slot in slots}
         old = {slot: state.get(name, {}).get(slot) for slot in slots}
         update = server_optimizers.step(optimizer, delta, old, out)

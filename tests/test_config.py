@@ -25,19 +25,19 @@ def demo() -> dict:
 
 def test_the_demo_runs_on_real_text_with_the_tested_settings():
     """`make demo` (config/config.yaml) differs from the tests' demo only in its sites (real text, one
-    language per site, shipped in data/real with its licence) and in its server optimizer: the default
-    federation strategy, where the tests' generated-text demo keeps the FedAdam settings chosen on its own
-    text, which its exact figures rest on (docs/federation.md)."""
+    language per site, shipped in data/real with its licence) and in its federation strategy: the default,
+    where the tests' generated-text demo keeps the FedAdam settings chosen on its own text, and the vocab
+    rows merged as then, which its exact figures rest on (docs/federation.md)."""
     real = load_config(ROOT / "config" / "config.yaml", base_dir=ROOT)
     tested = load_config(DEMO, base_dir=ROOT)
+    strategy = {key: real["aggregate"][key] for key in ("server_optimizer", "vocab_rows")}
     assert {k: v for k, v in real.items() if k != "sites"} == {
-        k: v if k != "aggregate" else {**v, "server_optimizer": real["aggregate"]["server_optimizer"]}
-        for k, v in tested.items()
-        if k != "sites"
+        k: v if k != "aggregate" else {**v, **strategy} for k, v in tested.items() if k != "sites"
     }
     default = real["aggregate"]["server_optimizer"]
     assert "aggregate" not in yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
     assert (default["name"], default["lr"], default["momentum"]) == ("fedavgm", 1.0, 0.5)
+    assert (real["aggregate"]["vocab_rows"], tested["aggregate"]["vocab_rows"]) == ("counts", "weights")
     assert list(real["sites"]) == ["it", "cs"]
     for name, site in real["sites"].items():
         files = site["dataset"]["data_files"]

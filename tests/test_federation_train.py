@@ -132,3 +132,25 @@ def test_fedprox_keeps_the_site_model_near_the_round_start(
     proximal = distance_to_start(tmp_path / "model", tiny_model_dir)
     assert proximal < 0.8 * plain, (proximal, plain)
     assert losses(tmp_path / "model")[-1] < losses(tmp_path / "model")[0]  # it still learns
+
+
+def test_training_writes_the_token_counts_of_the_blocks_it_trained_on(reference_run, site_manifest):
+    """token_counts.json (aggregate.vocab_rows): every rank's blocks of the round, counted once."""
+    from fedtune.core import token_counts
+    from fedtune.tokenize.blocks import Blocks, manifest_shards
+
+    model = reference_run / "model"
+    record = token_counts.read(model)
+    summary = json.loads((model / "training.json").read_text())
+    blocks = Blocks(manifest_shards(site_manifest))
+    order = BlockOrder(len(blocks), summary["global_batch"], summary["micro_batch"], 2, BASE_OPTIONS["seed"])
+    expected = np.zeros(len(record.counts), dtype=np.int64)
+    for step in range(summary["steps"]):
+        for rank in (0, 1):
+            for indices in order.micro_batches(step, rank):
+                ids, _ = blocks.get(indices)
+                expected += np.bincount(ids.numpy().ravel(), minlength=len(expected))
+    assert record.counts.tolist() == expected.tolist()
+    assert record.tokens == summary["steps"] * summary["global_batch"] * summary["block_size"]
+    assert record.tensors == ("model.embed_tokens.weight", "lm_head.weight")
+    assert len(record.counts) == weights(model)["model.embed_tokens.weight"].shape[0]

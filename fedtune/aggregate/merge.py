@@ -29,10 +29,10 @@ from pathlib import Path
 
 import torch
 
-from fedtune.aggregate.methods import CHUNK, METHODS, MergeMethod, chunks, weighted_mean
+from fedtune.aggregate.methods import CHUNK, METHODS, MergeMethod, chunks, fedavg_rows, weighted_mean
 from fedtune.aggregate.model_compat import CONFIG_FILE, COPIED_FILES, compatibility_problems
 from fedtune.aggregate.server_optimizers import slots, step
-from fedtune.core import cli
+from fedtune.core import cli, token_counts
 from fedtune.core.atomic import atomic_dir, write_json
 from fedtune.core.checksums import sha256_file
 from fedtune.core.config import (
@@ -353,6 +353,7 @@ def aggregate(
         state_record, state_folder = read_server_state(Path(server_state_in), options.server_optimizer, order)
     round_step = (state_record or {}).get("step", 0) + 1
     state_plan = plan_state(order, slots(options.server_optimizer), shard_limit)
+    rows, rows_record = _vocab_rows(options, site_models, weights, order)
     _log(
         f"{options.method} of {len(sites)} sites ({source} weights "
         + ", ".join(f"{s}={weights[s]:.4f}" for s in sites)
@@ -364,7 +365,7 @@ def aggregate(
         tmp = outputs.enter_context(atomic_dir(out_dir))
         state_tmp = outputs.enter_context(atomic_dir(Path(server_state_out))) if server_state_out else None
         extra = [m for m in (start_model, state_folder) if m is not None]
-        merge = _Merge(method, options.parameters, options.server_optimizer, plain)
+        merge = _Merge(method, options.parameters, options.server_optimizer, plain, rows)
         output, state_output, digests = _write_merged(
             tmp,
             state_tmp,
@@ -390,6 +391,7 @@ def aggregate(
         record = {
             "method": options.method,
             "weights": {"source": source, "raw": raw, "normalised": weights},
+            "vocab_rows": rows_record,
             "dtype": options.dtype,
             "max_shard_size": options.max_shard_size,
             "inputs": inputs,
@@ -427,6 +429,31 @@ def _read_models(
     start_model = None if start is None else read_site_model("start", Path(start), f"the start model {start}")
     check_compatible(site_models, start_model)
     return site_models, start_model
+
+
+def _vocab_rows(
+    options: AggregateOptions, site_models: Sequence[SiteModel], weights: Mapping[str, float], order
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """aggregate.vocab_rows: the row weights of each tensor with a row per token id (name -> (sites,
+    vocab)), from the sites' token counts, and aggregate.json's record of what was done. Falls back to
+    the sites' weights, saying why, where the method is not fedavg or a site has no counts."""
+    record = {"mode": options.vocab_rows, "tensors": []}
+    if options.vocab_rows == "weights":
+        return {}, record
+    if options.method != "fedavg":
+        why = f"method {options.method} merges every tensor with the sites' weights"
+    else:
+        counts = {m.site: token_counts.read(m.path) for m in site_models}
+        table, why = token_counts.site_row_weights(counts, weights)
+        shapes = {t.name: t.shape for t in order}
+        rows = {name: t for name, t in table.items() if name in shapes and shapes[name][0] == t.shape[1]}
+        if rows:
+            record["tensors"] = sorted(rows)
+            _log(f"vocab rows: {', '.join(sorted(rows))} merged with the sites' token counts")
+            return rows, record
+        why = why or f"no tensor of the model is listed in the sites' {token_counts.FILE}"
+    _log(f"vocab rows: with the sites' weights ({why})")
+    return {}, {**record, "fallback": why}
 
 
 def _verify_inputs(records: Sequence[dict], folders: Sequence[WeightFolder]) -> None:
@@ -517,6 +544,7 @@ class _Merge:
     parameters: dict
     optimizer: ServerOptimizerOptions
     plain: bool
+    rows: Mapping[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # name -> (sites, vocab)
 
 
 def _write_merged(
@@ -575,6 +603,8 @@ def _write_merged(
             if not sources[0].dtype.is_floating_point:
                 _check_identical(tensor.name, sources, [f.site for f in folders[:sites]])
                 result.copy_(sources[0])
+            elif merge.plain and tensor.name in merge.rows:
+                _row_mean_into(result, sources, merge.rows[tensor.name], tensor.shape, buffers)
             elif merge.plain:
                 _mean_into(result, sources, weights, buffers)
             else:
@@ -582,7 +612,7 @@ def _write_merged(
                 taken = {s: state.slot(_state_tensor(s, tensor)) for s in state_slots}
                 base = reader.get(start_i, tensor.name)
                 new = {s: buf for s, (_, buf) in taken.items()}
-                _step_into(result, merge, tensor.name, base, sources, weights, old, new, buffers[0])
+                _step_into(result, merge, tensor, base, sources, weights, old, new, buffers[0])
                 for s, (state_slot, _) in taken.items():
                     state.put(_state_tensor(s, tensor), state_slot)
             output.put(tensor, slot)
@@ -606,11 +636,28 @@ def _mean_into(result: torch.Tensor, sources, weights, buffers) -> None:
         result[lo:hi].copy_(weighted_mean(part, weights, acc[: hi - lo], scratch[: hi - lo]))
 
 
-def _step_into(result, merge: _Merge, name: str, base, sources, weights, old, new, base_buffer) -> None:
+def _row_mean_into(result: torch.Tensor, sources, table: torch.Tensor, shape, buffers) -> None:
+    """The sites' mean with a weight per site and row (aggregate.vocab_rows), chunk by chunk."""
+    acc, scratch = buffers[1], buffers[2]
+    row_length = math.prod(shape[1:])
+    for lo, hi in chunks(result.numel()):
+        weights = token_counts.rows_of_chunk(table, lo, hi, row_length)
+        mean = acc[: hi - lo].zero_()
+        for i, src in enumerate(sources):
+            mean.addcmul_(scratch[: hi - lo].copy_(src[lo:hi]), weights[i])
+        result[lo:hi].copy_(mean)
+
+
+def _step_into(
+    result, merge: _Merge, tensor: OutTensor, base, sources, weights, old, new, base_buffer
+) -> None:
     """start + the server optimizer's update from the merged task vector, chunk by chunk: any method's
     chunks (methods.chunks) go through the same step. `old`: the previous state's slices by slot (None
     in the first round); `new`: the buffers the new state is written into."""
-    parts = merge.method.merge(base, sources, weights, {**merge.parameters, "name": name})
+    if tensor.name in merge.rows:
+        parts = fedavg_rows(base, sources, merge.rows[tensor.name], math.prod(tensor.shape[1:]))
+    else:
+        parts = merge.method.merge(base, sources, weights, {**merge.parameters, "name": tensor.name})
     for (lo, hi), delta in zip(chunks(result.numel()), parts, strict=True):
         # fp32 + fp16 rounds the same as fp32 + fp32 of the converted value, but torch's mixed-dtype
         # kernels are several times slower: convert once per chunk.

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fedtune.core.token_counts import rows_of_chunk
+
 Params = Mapping[str, object]
 # base, sites, weights, params -> the task vector's chunks, in order (see the module's docstring).
 MergeFunction = Callable[
@@ -99,6 +101,23 @@ def fedavg(base, sites, weights, params):
                 continue
             delta = tmp[: end - start].copy_(src[start:end]).sub_(base_f)
             mean.add_(delta, alpha=weight / total)
+        yield mean
+
+
+def fedavg_rows(base, sites, table: torch.Tensor, row_length: int):
+    """fedavg's task vector with a weight per site and row (aggregate.vocab_rows: counts): `table` is
+    (sites, rows), each column summing to 1 (fedtune.core.token_counts.row_weights); the tensor is
+    (rows, row_length), flat."""
+    n = base.numel()
+    size = min(n, CHUNK)
+    acc, tmp, base_full = (torch.empty(size) for _ in range(3))
+    for start, end in chunks(n):
+        base_f = base_full[: end - start].copy_(base[start:end])
+        mean = acc[: end - start].zero_()
+        weights = rows_of_chunk(table, start, end, row_length)
+        for i, src in enumerate(sites):
+            delta = tmp[: end - start].copy_(src[start:end]).sub_(base_f)
+            mean.addcmul_(delta, weights[i])
         yield mean
 
 

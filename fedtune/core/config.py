@@ -788,6 +788,7 @@ class AggregateOptions(_Options):
     server_optimizer: ServerOptimizerOptions
     compare: tuple[str, ...]
     weights: str | dict[str, float]
+    vocab_rows: str
     max_shard_size: str
     dtype: str = "auto"
 

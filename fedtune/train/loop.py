@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fedtune.core import adapters, cli, tracking
+from fedtune.core import adapters, cli, token_counts, tracking
 from fedtune.core.atomic import atomic_dir, write_json, write_text
 from fedtune.core.config import CAUSAL_LM, CLASSIFICATION, ConfigError, TrackingOptions, TrainOptions
 from fedtune.core.models import load_model, load_tokenizer, save_model
@@ -461,10 +461,22 @@ def export(run: Setup, progress: TrainingProgress, started: float) -> dict | Non
             )
             model.load_state_dict(state)
             save_model(model, load_tokenizer(args.init), tmp, max_shard_size=run.options.max_shard_size)
+            if run.task == CAUSAL_LM:
+                write_token_counts(run, progress, model, tmp)
         write_json(tmp / TRAINING_SUMMARY, record)
         write_text(tmp / "loss.csv", progress.loss_log)
     say(f"exported {args.out}: {json.dumps({k: record[k] for k in ('steps', 'final_loss')})}")
     return record
+
+
+def write_token_counts(run: Setup, progress: TrainingProgress, model, folder: Path) -> None:
+    """token_counts.json: how often the round trained on each token id (every rank's blocks), for
+    the aggregate's vocab rows (fedtune.core.token_counts)."""
+    steps = range(run.first_step, run.first_step + progress.step)
+    batches = (run.blocks.get(run.order.global_indices(step)) for step in steps)
+    counts = token_counts.count(batches, model.get_input_embeddings().num_embeddings)
+    tensors = token_counts.vocab_tensors(model)
+    token_counts.write(folder, counts, tensors, first_step=run.first_step, steps=progress.step)
 
 
 def parse_args(argv=None):
