@@ -37,7 +37,9 @@ def sites_with_counts(tmp_path, counts, *, seed=1):
     g = torch.Generator().manual_seed(seed)
     models = {}
     for site, c in counts.items():
-        tensors = {n: (t.float() + 0.1 * torch.randn(t.shape, generator=g)).to(t.dtype) for n, t in base.items()}
+        tensors = {
+            n: (t.float() + 0.1 * torch.randn(t.shape, generator=g)).to(t.dtype) for n, t in base.items()
+        }
         models[site] = write_checkpoint(tmp_path / site, tensors)
         if c is not None:
             token_counts.write(models[site], np.asarray(c), ROWS, first_step=0, steps=1)
@@ -47,7 +49,8 @@ def sites_with_counts(tmp_path, counts, *, seed=1):
 def expected_rows(start, models, table, name):
     base = read_output(start)[name].double()
     delta = sum(
-        table[i].double()[:, None] * (read_output(m)[name].double() - base) for i, m in enumerate(models.values())
+        table[i].double()[:, None] * (read_output(m)[name].double() - base)
+        for i, m in enumerate(models.values())
     )
     return base + delta
 
@@ -72,7 +75,12 @@ def test_vocab_rows_follow_the_sites_token_counts(tmp_path, server):
         torch.testing.assert_close(merged[name].double(), want.to(merged[name].dtype).double())
         # Rows 0-7 only site a saw: site a's update, whole, not half of it.
         site_a = read_output(models["a"])[name][:8].double()
-        torch.testing.assert_close(merged[name][:8].double(), (base[name][:8].double() + lr * (site_a - base[name][:8].double())).to(merged[name].dtype).double())
+        torch.testing.assert_close(
+            merged[name][:8].double(),
+            (base[name][:8].double() + lr * (site_a - base[name][:8].double()))
+            .to(merged[name].dtype)
+            .double(),
+        )
     # Every other tensor: the plain weighted mean's step.
     name = "model.layers.0.self_attn.q_proj.weight"
     mean = sum(read_output(m)[name].double() for m in models.values()) / 2
