@@ -58,6 +58,24 @@ def add_out(parser: argparse.ArgumentParser, help: str, **kwargs) -> None:
     parser.add_argument("--out", required=True, help=help, **kwargs)
 
 
+def add_scored_model(parser: argparse.ArgumentParser) -> None:
+    """What the evaluation CLIs share: the device, and which model a result belongs to in the report."""
+    parser.add_argument("--device", default=None, help="default: cuda when present, else cpu")
+    parser.add_argument(
+        "--label", default=None, help="name of the model in the report: base, a site, aggregate"
+    )
+    parser.add_argument("--round", type=int, default=None, help="federation round of the model (base: 0)")
+
+
+def add_tracking(parser: argparse.ArgumentParser, *, required: bool = False) -> None:
+    """--tracking (the config's tracking section as JSON, its dir resolved: TrackingOptions) and
+    --run-name, for the tracked run's name. Not --run: torchrun would take it for its own --run-path."""
+    parser.add_argument(
+        "--tracking", required=required, help="the config's tracking section as JSON (fedtune.core.tracking)"
+    )
+    parser.add_argument("--run-name", required=required, help="the run's name, for the tracked run's name")
+
+
 def add_list(
     parser: argparse.ArgumentParser, option: str, metavar: str, help: str, *, required=False
 ) -> None:

@@ -338,10 +338,7 @@ def main(argv=None) -> int:
         "Send a stage's results, as written in the run folder, to the configured tracker.",
     )
     parser.add_argument("what", choices=["training", "aggregate", "evaluation"])
-    parser.add_argument(
-        "--tracking", required=True, help="the config's tracking section as JSON (dir resolved)"
-    )
-    parser.add_argument("--run-name", required=True, help="the run's name")
+    cli.add_tracking(parser, required=True)
     parser.add_argument(
         "--path", required=True, help="model folder (training), aggregate.json or an evaluate JSON"
     )

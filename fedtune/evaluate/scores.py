@@ -450,19 +450,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=_UNSET)
     parser.add_argument("--add-bos", action=argparse.BooleanOptionalAction, default=True, help="as tokenize")
-    parser.add_argument("--device", default=None, help="default: cuda when present, else cpu")
     parser.add_argument("--site", default=None, help="name of the site whose text this is (for the report)")
-    parser.add_argument(
-        "--label", default=None, help="name of the model in the report: base, a site, aggregate"
-    )
-    parser.add_argument("--round", type=int, default=None, help="federation round of the model (base: 0)")
+    cli.add_scored_model(parser)
     parser.add_argument("--out", default=None, help="result JSON")
-    parser.add_argument(
-        "--tracking",
-        default=None,
-        help="the config's tracking section as JSON, dir resolved (fedtune.core.tracking)",
-    )
-    parser.add_argument("--run-name", default=None, help="the run's name, for the tracked run's name")
+    cli.add_tracking(parser)
     parser.add_argument(
         "--sites",
         default=None,

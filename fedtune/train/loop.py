@@ -500,9 +500,7 @@ def parse_args(argv=None):
     )  # fmt: skip
     parser.add_argument("--optimizer-in", type=Path, help="optimizer state of the site's previous round")
     parser.add_argument("--optimizer-out", type=Path, help="where to save the optimizer state at the end")
-    parser.add_argument("--tracking", help="the config's tracking section as JSON (fedtune.core.tracking)")
-    # Not --run: torchrun would take it for its own --run-path.
-    parser.add_argument("--run-name", help="the run's name, for the tracked run's name")
+    cli.add_tracking(parser)
     parser.add_argument(
         "--summary-only",
         action="store_true",
