@@ -20,15 +20,16 @@ Every run of a set is built from a fedtune config (the regime's example with the
 fedtune.core.config.build_run_config, so the train, aggregate and pooled options, and the schema's
 defaults, are the pipeline's own. The stages then run in this process, with the pipeline's own pieces:
 the tokenize stage's encoder and packing, the training loop's data order (BlockOrder), round plan and
-learning-rate schedule, AdamW with the loop's settings and clipping, aggregate's token weights and server
+learning-rate schedule, AdamW with the loop's settings and clipping, aggregate's token weights, its vocab
+rows (fedtune.core.token_counts: each site's token counts of the round, as training writes them) and server
 optimizers (fedtune.aggregate.server_optimizers.step, tensor by tensor, with their state across rounds),
 exact LoRA aggregation (sum_i w_i s_i B_i A_i, merged into the model) and evaluate's windows and scoring.
 What it leaves out is what the figures do not depend on: processes, files, Slurm. (tests/test_demo.py
 runs the demo through the real workflow and holds it to the same bar.)
 
-Strategies: `fedavg` (server sgd, lr 1), `default` (the schema's aggregate section as it stands), and
-`knob-half` / `knob-double` (the default with its main knob, the server optimizer's lr, moved by half
-either way), plus `--server JSON` for a candidate. The pooled model of a set (every site's blocks in one
+Strategies: `fedavg` (plain FedAvg: server sgd at lr 1, every row with the sites' weights), `default` (the
+schema's aggregate section as it stands), and `knob-half` / `knob-double` (the default with its main
+knob, the server optimizer's lr, moved by half either way), plus `--server JSON` for a candidate. The pooled model of a set (every site's blocks in one
 order, as many steps as the federation trains in all) is trained once per set and regime, and cached.
 
 Prints, per set, a Markdown table of the final aggregate's perplexity and gap (aggregate / pooled) on
