@@ -154,3 +154,12 @@ def test_training_writes_the_token_counts_of_the_blocks_it_trained_on(reference_
     assert record.tokens == summary["steps"] * summary["global_batch"] * summary["block_size"]
     assert record.tensors == ("model.embed_tokens.weight", "lm_head.weight")
     assert len(record.counts) == weights(model)["model.embed_tokens.weight"].shape[0]
+
+
+@pytest.mark.parametrize(("flag", "writes"), [([], True), (["--no-token-counts"], False)])
+def test_the_train_cli_writes_token_counts_unless_told_not_to(flag, writes):
+    from fedtune.train.loop import TrainJob, parse_args
+
+    args = ["--site", "a", "--init", "m", "--manifest", "x.json", "--options", "{}", "--checkpoints", "c"]
+    job = TrainJob.from_args(parse_args([*args, "--out", "o", *flag]))
+    assert job.token_counts is writes

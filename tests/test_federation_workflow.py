@@ -53,6 +53,15 @@ def test_kept_site_optimizers_pass_from_round_to_round(tmp_path):
     assert incoming.endswith("round-1/alpha/optimizer")
 
 
+@pytest.mark.parametrize(("rows", "flag"), [("counts", False), ("weights", True)])
+def test_token_counts_stay_home_unless_the_merge_reads_them(tmp_path, rows, flag):
+    """aggregate.vocab_rows: weights reads no token counts, so training writes none (the histogram
+    would otherwise cross to the aggregating cluster with the model)."""
+    jobs = federation(tmp_path, {"rounds": 2}, aggregate={"vocab_rows": rows})
+    trains = [job.shell for job in jobs if job.name == "train"]
+    assert len(trains) == 4 and all(("--no-token-counts" in shell) == flag for shell in trains)
+
+
 @pytest.mark.parametrize(
     ("edit", "message"),
     [

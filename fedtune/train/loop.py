@@ -136,6 +136,7 @@ class TrainJob:
     optimizer_out: Path | None = None
     tracking: dict | None = None  # the config's tracking section, checked (None: not tracked)
     run: str | None = None
+    token_counts: bool = True  # write token_counts.json (aggregate.vocab_rows: counts)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> TrainJob:
@@ -148,7 +149,7 @@ class TrainJob:
                 if args.tracking
                 else None
             ),
-            run=args.run_name,
+            run=args.run_name, token_counts=args.token_counts,
         )  # fmt: skip
 
 
@@ -461,7 +462,7 @@ def export(run: Setup, progress: TrainingProgress, started: float) -> dict | Non
             )
             model.load_state_dict(state)
             save_model(model, load_tokenizer(args.init), tmp, max_shard_size=run.options.max_shard_size)
-            if run.task == CAUSAL_LM:
+            if run.task == CAUSAL_LM and args.token_counts:
                 write_token_counts(run, progress, model, tmp)
         write_json(tmp / TRAINING_SUMMARY, record)
         write_text(tmp / "loss.csv", progress.loss_log)
@@ -501,6 +502,11 @@ def parse_args(argv=None):
     parser.add_argument("--optimizer-in", type=Path, help="optimizer state of the site's previous round")
     parser.add_argument("--optimizer-out", type=Path, help="where to save the optimizer state at the end")
     cli.add_tracking(parser)
+    parser.add_argument(
+        "--token-counts", action=argparse.BooleanOptionalAction, default=True,
+        help="write token_counts.json beside the model, for the aggregate's vocab rows; --no-token-counts"
+        " where they are not merged by counts (aggregate.vocab_rows: weights), so the histogram stays here",
+    )  # fmt: skip
     parser.add_argument(
         "--summary-only",
         action="store_true",

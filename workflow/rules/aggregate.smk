@@ -23,6 +23,7 @@ if aggregates_here() and not ADAPTERS:
             server_state=directory(server_state_dir("{round}")),
         log:
             log_path("aggregate", "round-{round}"),
+        priority: 1
         group:
             "round-{round}"
         conda:

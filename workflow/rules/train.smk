@@ -22,6 +22,10 @@ rule train:
         site=one_of(LOCAL_SITES),
         # Where train_merging makes the later rounds (below): round 1 only.
         round="1" if MERGES_IN_TRAINING else r"\d+",
+    # The rounds' trainings and merges are the run's critical path: when cores are short (a local run),
+    # a round's trainings go first, side by side, and evaluations fill the gaps (the demo: see
+    # benchmarks/README.md).
+    priority: 1
     # Retried by the main Snakemake, in a new Slurm job; never by the job's own Snakemake (REMOTE mode),
     # which would restart training in the same allocation, minutes before its time limit.
     retries: 0 if workflow.remote_exec else max(RUN.sites[site].train.retries for site in SITES)
@@ -74,6 +78,8 @@ if RUN.pooled:
             model=directory(pooled_model_dir()),
         log:
             log_path("train", "pooled"),
+        # Off the critical path: evaluations and the pooled model share what the rounds leave.
+        priority: 0
         # As train: retried in a new Slurm job, never inside the job (workflow.remote_exec).
         retries: 0 if workflow.remote_exec else RUN.pooled.retries
         params:
