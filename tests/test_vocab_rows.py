@@ -126,3 +126,12 @@ def test_the_record_is_read_back(tmp_path):
     assert back.counts.tolist() == [1, 0, 2] and back.tensors == ROWS and back.tokens == 3
     assert json.loads((tmp_path / token_counts.FILE).read_text())["first_step"] == 4
     assert token_counts.read(tmp_path / "elsewhere") is None
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"tensors": []}', '{"counts": [1, -2], "tensors": []}'])
+def test_a_damaged_record_is_named_before_anything_is_merged(tmp_path, text):
+    start, models = sites_with_counts(tmp_path, COUNTS)
+    (models["b"] / token_counts.FILE).write_text(text)
+    with pytest.raises(token_counts.TokenCountsError, match=str(models["b"] / token_counts.FILE)):
+        aggregate(models, tmp_path / "merged", options(weights="uniform"), start=start)
+    assert not (tmp_path / "merged").exists()

@@ -25,8 +25,13 @@ import numpy as np
 import torch
 
 from fedtune.core.atomic import write_json
+from fedtune.core.config import UserError
 
 FILE = "token_counts.json"
+
+
+class TokenCountsError(UserError):
+    """A token_counts.json that cannot be read: the message names the file."""
 
 
 @dataclass(frozen=True)
@@ -87,8 +92,17 @@ def read(folder: str | Path) -> TokenCounts | None:
     path = Path(folder) / FILE
     if not path.is_file():
         return None
-    record = json.loads(path.read_text(encoding="utf-8"))
-    return TokenCounts(np.asarray(record["counts"], dtype=np.int64), tuple(record["tensors"]))
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        counts = np.asarray(record["counts"], dtype=np.int64)
+        tensors = tuple(str(name) for name in record["tensors"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
+        raise TokenCountsError(
+            f"{path}: not a token counts record ({error}); rerun the training that wrote it"
+        ) from None
+    if counts.ndim != 1 or (counts < 0).any():
+        raise TokenCountsError(f"{path}: counts must be one non-negative integer per token id")
+    return TokenCounts(counts, tensors)
 
 
 def row_weights(counts: Sequence[np.ndarray], weights: Sequence[float]) -> torch.Tensor:
