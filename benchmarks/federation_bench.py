@@ -5,7 +5,7 @@ on real text nobody tuned on (benchmarks/federation_sets.py holds the sets and t
     python benchmarks/federation_bench.py run --regime scratch --half confirmation
     python benchmarks/federation_bench.py run --regime finetune --half confirmation
     python benchmarks/federation_bench.py run --regime lora --half confirmation
-    python benchmarks/federation_bench.py bound --half tuning --sets de-fr   # what 60 steps can reach
+    python benchmarks/federation_bench.py bound --half tuning --sets de-fr   # one model, 60 steps
     python benchmarks/federation_bench.py run --regime scratch --half tuning --strategies fedavg default \\
         --server '{"name": "fedadam", "lr": 0.05}'                         # one more candidate, by hand
 
@@ -364,8 +364,8 @@ def run(args) -> int:
 
 
 def bound(args) -> int:
-    """What 60 sequential steps can reach (docs/federation.md, "Where federation still falls short"):
-    the pooled data trained for one site's steps with M times the batch (the federation's tokens in the
+    """What one model reaches in the federation's 60 sequential steps (docs/federation.md, "Where
+    federation still falls short"): the pooled data trained for one site's steps with M times the batch (the federation's tokens in the
     federation's number of steps), the same with the plain batch, and each site alone on its own text,
     each as a gap to the pooled model."""
     import dataclasses
