@@ -280,6 +280,7 @@ class _Options:
     """The JSON form shared by the options objects: the rule -> CLI boundary."""
 
     SCHEMA: str = ""
+    PREFIX: str = ""  # where the section stands in a config, for messages
     # Keys without a schema default: absent from a section, None in the object and null in the JSON form.
     UNSET: tuple[str, ...] = ()
 
@@ -293,6 +294,16 @@ class _Options:
     @classmethod
     def from_json(cls, text: str, *, source: str = "--options"):
         return cls.from_mapping(parse_json(text, source), source=source)
+
+    @classmethod
+    def from_mapping(cls, data: Mapping, *, source: str = "--options", prefix: str | None = None):
+        """From a section as a config or --options writes it: checked by the schema, defaults filled in."""
+        return cls.from_valid(cls._validated(data, source, cls.PREFIX if prefix is None else prefix))
+
+    @classmethod
+    def from_valid(cls, values: Mapping):
+        """From values the schema has checked and filled in already (UNSET keys None)."""
+        return cls(**values)
 
     @classmethod
     def _validated(cls, data: Mapping, source: str, prefix: str) -> dict:
@@ -522,6 +533,7 @@ class EvaluateOptions(_Options):
     """evaluate.schema.yaml."""
 
     SCHEMA = "evaluate.schema.yaml"
+    PREFIX = "evaluate"
 
     intermediate: str
     max_length: int
@@ -538,10 +550,8 @@ class EvaluateOptions(_Options):
     DOWNSTREAM_KEYS = ("tasks", "task_limit", "num_fewshot")
 
     @classmethod
-    def from_mapping(cls, data: Mapping, *, source: str = "--options", prefix: str = "evaluate"):
-        values = cls._validated(data, source, prefix)
-        values["tasks"] = tuple(values["tasks"])
-        return cls(**values)
+    def from_valid(cls, values: Mapping) -> EvaluateOptions:
+        return cls(**{**values, "tasks": tuple(values["tasks"])})
 
     def perplexity_json(self) -> str:
         """The JSON form without the downstream tasks' keys: what fedtune.evaluate.scores reads."""
@@ -569,6 +579,7 @@ class ModelOptions(_Options):
     init) is a read-only mapping of config.json values; `thaw(options.architecture)` gives a dict."""
 
     SCHEMA = "config.schema.yaml#/$defs/model"
+    PREFIX = "model"
     UNSET = ("name", "path")
 
     source: str
@@ -582,11 +593,6 @@ class ModelOptions(_Options):
     seed: int
     trust_remote_code: bool
     allow_pickle: bool
-
-    @classmethod
-    def from_mapping(cls, data: Mapping, *, source: str = "--options", prefix: str = "model") -> ModelOptions:
-        """From a model section (defaults filled in); the rules that need the run are `check`'s."""
-        return cls.from_valid(cls._validated(data, source, prefix))
 
     @classmethod
     def from_valid(cls, values: Mapping) -> ModelOptions:
@@ -625,6 +631,7 @@ class DatasetOptions(_Options):
     source's splits (source hf); `data_files` maps each split to its files (source local), as tuples."""
 
     SCHEMA = "config.schema.yaml#/$defs/dataset"
+    PREFIX = "dataset"
     UNSET = ("name", "data_files")
 
     source: str
@@ -639,13 +646,6 @@ class DatasetOptions(_Options):
     label_field: str
     max_documents: int | None
     seed: int
-
-    @classmethod
-    def from_mapping(
-        cls, data: Mapping, *, source: str = "--options", prefix: str = "dataset"
-    ) -> DatasetOptions:
-        """From a dataset section (defaults filled in); the files are `check`'s."""
-        return cls.from_valid(cls._validated(data, source, prefix))
 
     @classmethod
     def from_valid(cls, values: Mapping) -> DatasetOptions:
@@ -742,6 +742,7 @@ class ServerOptimizerOptions(_Options):
     """aggregate.server_optimizer: how the merged task vector moves the global model."""
 
     SCHEMA = "aggregate.schema.yaml#/properties/server_optimizer"
+    PREFIX = "aggregate.server_optimizer"
 
     name: str
     lr: float
@@ -750,13 +751,7 @@ class ServerOptimizerOptions(_Options):
     tau: float
 
     @classmethod
-    def from_mapping(
-        cls, data: Mapping, *, source: str = "--options", prefix: str = "aggregate.server_optimizer"
-    ) -> ServerOptimizerOptions:
-        return cls._from_valid(cls._validated(data, source, prefix))
-
-    @classmethod
-    def _from_valid(cls, values: Mapping) -> ServerOptimizerOptions:
+    def from_valid(cls, values: Mapping) -> ServerOptimizerOptions:
         """From values the schema has checked and filled in already."""
         return cls(**{**values, "betas": tuple(values["betas"])})
 
@@ -803,7 +798,7 @@ class AggregateOptions(_Options):
         values = cls._validated(data, source, prefix)
         values["lam"] = values.pop("lambda")
         # Checked with the section's schema above, which holds the server optimizer's.
-        values["server_optimizer"] = ServerOptimizerOptions._from_valid(values["server_optimizer"])
+        values["server_optimizer"] = ServerOptimizerOptions.from_valid(values["server_optimizer"])
         values["compare"] = tuple(values["compare"])
         return cls(**values, dtype=dtype)
 
