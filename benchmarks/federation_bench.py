@@ -288,7 +288,7 @@ def round_counts(blocks: np.ndarray, options, plan: RoundPlan, steps: int, vocab
     token_counts.json)."""
     order = BlockOrder(len(blocks), options.global_batch, options.micro_batch, 1, options.seed)
     first = plan.first_step(steps)
-    batches = ((blocks[order.global_indices(first + step)],) * 2 for step in range(steps))
+    batches = (blocks[order.global_indices(first + step)] for step in range(steps))
     return token_counts.count(batches, vocab)
 
 

@@ -47,12 +47,12 @@ class TokenCounts:
         return int(self.counts.sum())
 
 
-def count(batches: Iterable[tuple[torch.Tensor, torch.Tensor]], vocab: int) -> np.ndarray:
-    """How often each token id occurs as an input in (input_ids, labels) batches of a causal language
-    model's blocks. Every position counts: one whose own label is ignored (a prompt under the
+def count(batches: Iterable, vocab: int) -> np.ndarray:
+    """How often each token id occurs as an input in batches of a causal language model's input_ids.
+    Every position counts, labels aside: one whose own label is ignored (a prompt under the
     completion-only loss) is still the context of the targets after it."""
     counts = np.zeros(vocab, dtype=np.int64)
-    for input_ids, _ in batches:
+    for input_ids in batches:
         counts += np.bincount(np.asarray(input_ids).ravel(), minlength=vocab)[:vocab]
     return counts
 

@@ -474,7 +474,7 @@ def write_token_counts(run: Setup, progress: TrainingProgress, model, folder: Pa
     """token_counts.json: how often the round trained on each token id (every rank's blocks), for
     the aggregate's vocab rows (fedtune.core.token_counts)."""
     steps = range(run.first_step, run.first_step + progress.step)
-    batches = (run.blocks.get(run.order.global_indices(step)) for step in steps)
+    batches = (run.blocks.get(run.order.global_indices(step))[0] for step in steps)
     counts = token_counts.count(batches, model.get_input_embeddings().num_embeddings)
     tensors = token_counts.vocab_tensors(model)
     token_counts.write(folder, counts, tensors, first_step=run.first_step, steps=progress.step)
