@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,7 +30,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH = ROOT / "scripts" / "launch"
-LOADED_LINE = "training "
+# Rank 0's first line once the model is loaded and sharded. Searched anywhere in a line: the other rank's
+# progress bar (stderr, no newline until it ends) can share the line with it.
+LOADED_LINE = re.compile(r"training \S+, round \d+ of \d+ from step")
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
 
 
@@ -149,7 +152,7 @@ def measure(
     def read_output():
         for line in proc.stdout:
             lines.append(line)
-            if line.startswith(LOADED_LINE):
+            if LOADED_LINE.search(line):
                 loaded.set()
 
     reader = threading.Thread(target=read_output, daemon=True)
