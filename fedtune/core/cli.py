@@ -6,8 +6,10 @@ is a bug and shows its traceback. Tokens are redacted from the message (fedtune.
 from __future__ import annotations
 
 import argparse
+import atexit
 import errno
 import functools
+import gc
 import json
 import sys
 from collections.abc import Callable
@@ -18,6 +20,18 @@ from fedtune.core.secrets import redact
 
 EXIT_USER_ERROR = 2
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_exit_hook = False
+
+
+def _skip_the_last_collection() -> None:
+    """Freeze every object once the command is done (the last exit handler to run): the interpreter's
+    final garbage collection then has nothing to walk. With torch and transformers loaded that walk took
+    1.6-1.8 s of every command's 7-8 s in the demo. Refcounting still frees what it frees, and every exit
+    handler registered after this one (those of the libraries the command imports) has run before."""
+    global _exit_hook
+    if not _exit_hook:
+        _exit_hook = True
+        atexit.register(gc.freeze)
 
 
 def parser(module: str, doc: str | None, **kwargs) -> argparse.ArgumentParser:
@@ -100,6 +114,7 @@ def entry(module: str, *, offline: bool = False) -> Callable:
     def wrap(main: Callable) -> Callable:
         @functools.wraps(main)
         def run(argv=None) -> int:
+            _skip_the_last_collection()
             if offline:
                 from fedtune.core.offline import enforce
 
