@@ -11,7 +11,7 @@ on real text nobody tuned on (benchmarks/federation_sets.py holds the sets and t
 
 Regimes:
 - scratch: the demo (config/config.yaml): a tiny Llama and a byte-level BPE tokenizer built from the
-  set's own training text, 6 rounds of 10 steps of 16 blocks of 128 tokens.
+  set's own training text, 8 rounds of 8 steps of 16 blocks of 128 tokens.
 - finetune / lora: SmolLM2-135M-Instruct (scripts/fetch-smollm2, converted once into --cache), the
   examples' settings (config/examples/smollm2-it-cs*.yaml) cut down to 4 rounds of 3 steps of 4 blocks
   of 64 tokens, full weights or LoRA.
