@@ -179,10 +179,14 @@ class Bench:
         plan: RoundPlan,
         steps: int,
         moments: dict | None = None,
+        correction: dict | None = None,
+        control: dict | None = None,
     ) -> dict:
         """`steps` steps of one site (or the pooled model) from `start`: the training loop's data order,
         schedule, AdamW and clipping, in one process. Returns the trained weights. `moments`: the site's
-        AdamW state of its previous round (federation.site_optimizer: keep), updated in place."""
+        AdamW state of its previous round (federation.site_optimizer: keep), updated in place.
+        `correction` (--scaffold): added to each step's gradient before clipping; `control`: filled with
+        the mean raw gradient of the round's steps (the site's next control variate)."""
         model = self.model
         model.load_state_dict(start)
         torch.manual_seed(options.seed)  # as the training loop: before the adapter's A is drawn
@@ -199,12 +203,20 @@ class Bench:
             optimizer.load_state_dict(moments)
         order = BlockOrder(len(blocks), options.global_batch, options.micro_batch, 1, options.seed)
         first = plan.first_step(steps)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if control is not None:
+            control.update({n: torch.zeros_like(p) for n, p in named})
         for step in range(steps):
             for group in optimizer.param_groups:
                 group["lr"] = plan.learning_rate(step, steps, options)
             for indices in order.micro_batches(first + step, 0):
                 ids = torch.from_numpy(blocks[indices].astype(np.int64))
                 (model(input_ids=ids, labels=ids).loss / order.accumulation).backward()
+            for n, p in named:
+                if control is not None:
+                    control[n].add_(p.grad, alpha=1 / steps)
+                if correction is not None:
+                    p.grad.add_(correction[n])
             torch.nn.utils.clip_grad_norm_(params, options.grad_clip if options.grad_clip > 0 else math.inf)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -241,8 +253,11 @@ class Bench:
         path.write_text(json.dumps(result))
         return result
 
-    def federate(self, config: dict, label: str) -> list[dict]:
-        """Every round of one strategy: rows (round, site, perplexity) of each round's aggregate."""
+    def federate(self, config: dict, label: str, scaffold: float = 0.0) -> list[dict]:
+        """Every round of one strategy: rows (round, site, perplexity) of each round's aggregate.
+        `scaffold` > 0: SCAFFOLD's control variates (Karimireddy et al. 2020), a prototype that is no
+        pipeline setting: site i's c_i is the mean raw gradient of its previous round's steps, c = sum_i
+        w_i c_i, and every local step adds scaffold x (c - c_i) to the gradient."""
         run = fconfig.build_run_config(self._with_files(config), base_dir=ROOT)
         aggregate = run.aggregate
         tokens = {s: self.blocks[s].size for s in self.sites}
@@ -250,13 +265,25 @@ class Bench:
         state, server_state, rows = self.base_state, {}, []
         keep = run.site_optimizer == "keep"
         moments = {site: {} for site in self.sites}
+        controls = {site: {} for site in self.sites}
         started = time.time()
         for r in range(1, run.rounds + 1):
             plan = RoundPlan(r, run.rounds, run.lr_schedule)
             trained = {}
+            mean_control = None
+            if scaffold and r > 1:
+                names = controls[self.sites[0]]
+                mean_control = {n: sum(w * controls[s][n] for s, w in weights.items()) for n in names}
             for site in self.sites:
                 options = run.sites[site].train
                 key = json.dumps([site, options.to_json(), keep])
+                if scaffold:
+                    correction = None
+                    if mean_control is not None:
+                        correction = {n: scaffold * (c - controls[site][n]) for n, c in mean_control.items()}
+                    trained[site] = self.train(state, self.blocks[site], options, plan, options.max_steps,
+                                               None, correction, controls[site])  # fmt: skip
+                    continue
                 if r == 1 and key in self.round_one:  # round 1 starts from the base for every strategy
                     trained[site], moments[site] = self.round_one[key]
                     moments[site] = copy.deepcopy(moments[site])
@@ -346,7 +373,9 @@ def run(args) -> int:
         for strategy in strategies:
             label = args.label if strategy == "candidate" and args.label else strategy
             config = strategy_config(bench.base_config, strategy, candidate)
-            rows = pd.DataFrame(bench.federate(config, label))
+            if args.scaffold:
+                label = f"{label}+scaffold{args.scaffold:g}"
+            rows = pd.DataFrame(bench.federate(config, label, args.scaffold))
             rows["gap"] = [p / pooled[s] for p, s in zip(rows.perplexity, rows.site, strict=True)]
             rows["pooled"] = [pooled[s] for s in rows.site]
             rows.insert(0, "strategy", label)
@@ -427,6 +456,11 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, help="rounds instead of the regime's")
     parser.add_argument("--steps", type=int, help="steps a round instead of the regime's")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--scaffold", type=float, default=0.0, metavar="BETA",
+        help="prototype, no pipeline setting: SCAFFOLD's control variates in every strategy of the run, each "
+        "local gradient plus BETA (c - c_i) (docs/federation.md)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.command == "prepare":
         sets.prepare(args.text)
