@@ -15,7 +15,7 @@ demo: env
 ## test: the test suite (CI runs exactly this)
 test:
 	@scripts/setup-env --tests
-	python -m pytest -n 2 --dist loadfile --no-loadscope-reorder -ra --durations=20 tests
+	python -m pytest -n 3 --dist loadfile --no-loadscope-reorder -ra --durations=20 tests
 
 ## lint: ruff, snakefmt and snakemake --lint (also run inside the test suite)
 lint: env

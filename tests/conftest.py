@@ -41,7 +41,7 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     """The files that hold a slow test (marker `slow`) first, each file's tests in their own order. `make
-    test` runs the files on two workers (pytest-xdist, --dist loadfile), which take them in this order
+    test` runs the files on three workers (pytest-xdist, --dist loadfile), which take them in this order
     (--no-loadscope-reorder: xdist's own order puts the files with the most tests first, so the long
     workflow files with few tests came last): a long file started early runs beside the short ones
     instead of ending the run alone."""

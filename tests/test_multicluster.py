@@ -42,7 +42,7 @@ def two_clusters(tmp_path: Path, config: dict, remotes: dict) -> tuple[Path, Pat
         mine["sites"] = {name: dict(site) for name, site in config["sites"].items()}
         mine["sites"]["alpha"]["cluster"] = "leo"
         mine["sites"]["beta"]["cluster"] = "karo"
-        mine["federation"] = {**config["federation"], "aggregate_on": "leo", "wait": "4m",
+        mine["federation"] = {**config["federation"], "aggregate_on": "leo", "wait": "10m",
                               "remotes": remotes}  # fmt: skip
         write_config(workdir, mine)
         folders[cluster] = workdir
@@ -156,7 +156,7 @@ def test_a_remote_that_never_delivers_ends_in_the_timeout_error(tmp_path):
     config = lean_config()
     karolina_run = tmp_path / "karo" / "results" / "demo"
     leonardo, _ = two_clusters(tmp_path, config, {"karo": str(karolina_run)})
-    text = (leonardo / "config.yaml").read_text().replace("wait: 4m", "wait: 3s")
+    text = (leonardo / "config.yaml").read_text().replace("wait: 10m", "wait: 3s")
     (leonardo / "config.yaml").write_text(text)
     result = snakemake(leonardo, "results/demo/round-1/aggregate/model", check=False)
     assert result.returncode != 0
