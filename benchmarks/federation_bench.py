@@ -458,7 +458,8 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
         "--scaffold", type=float, default=0.0, metavar="BETA",
-        help="prototype, no pipeline setting: SCAFFOLD's control variates in every strategy of the run, each "
+        help="prototype, no pipeline setting: SCAFFOLD's control variates in every strategy of the run (site "
+        "optimizers reset each round, whatever the strategy says), each "
         "local gradient plus BETA (c - c_i) (docs/federation.md)",
     )  # fmt: skip
     args = parser.parse_args(argv)
