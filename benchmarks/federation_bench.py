@@ -203,7 +203,9 @@ class Bench:
             optimizer.load_state_dict(moments)
         order = BlockOrder(len(blocks), options.global_batch, options.micro_batch, 1, options.seed)
         first = plan.first_step(steps)
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        # --scaffold only: the gradients it records and corrects, by name.
+        scaffold = control is not None or correction is not None
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad] if scaffold else []
         if control is not None:
             control.update({n: torch.zeros_like(p) for n, p in named})
         for step in range(steps):
