@@ -44,7 +44,6 @@ from fedtune.aggregate.merge import (
     resolve_weights,
 )
 from fedtune.aggregate.model_compat import CONFIG_FILE, COPIED_FILES
-from fedtune.aggregate.server_optimizers import OPTIMIZERS
 from fedtune.core import cli
 from fedtune.core.atomic import atomic_dir, write_json
 from fedtune.core.checksums import sha256_file
@@ -459,12 +458,9 @@ def server_factors(
     whole = dict(whole or {})
     if optimizer.plain:
         return dict(factors), whole, None
-    if not OPTIMIZERS[optimizer.name].linear:
-        linear = " or ".join(o.name for o in OPTIMIZERS.values() if o.linear)
-        raise AdapterAggregateError(
-            f"aggregate.server_optimizer: {optimizer.name} keeps per-coordinate state that is not low-rank; "
-            f"with train.adapter use {linear}"
-        )
+    problem = optimizer.adapter_problem("exact")
+    if problem:
+        raise AdapterAggregateError(problem)
     if whole and start_whole is None:
         raise AdapterAggregateError(
             f"--start is needed: server optimizer {optimizer.name} steps the tensors the adapters train whole "
@@ -706,11 +702,9 @@ def aggregate_adapters(
     started = time.perf_counter()
     _check_arguments(mode, dtype, out_dir, merge_into, merged_out)
     optimizer = server_optimizer or ServerOptimizerOptions.from_mapping({"name": "sgd", "lr": 1.0})
-    if not optimizer.plain and mode != "exact":
-        raise AdapterAggregateError(
-            f"aggregate.server_optimizer: {optimizer.name} needs adapter_merge exact (average_factors is "
-            "not the sites' mean update, so a step on it is not the optimizer's)"
-        )
+    problem = optimizer.adapter_problem(mode)
+    if problem:
+        raise AdapterAggregateError(problem)
     state_path = Path(server_state_in) if server_state_in else None
     if state_path is not None:
         read_state_record(state_path, optimizer, AdapterAggregateError)

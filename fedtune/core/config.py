@@ -766,6 +766,22 @@ class ServerOptimizerOptions(_Options):
         one-shot merge (no state read or kept) is then the plain mean."""
         return self.name in ("sgd", "fedavgm") and self.lr == 1.0
 
+    def adapter_problem(self, adapter_merge: str) -> str | None:
+        """Why this optimizer cannot step LoRA adapters combined by `adapter_merge` (None: it can). The one
+        place of this rule: the run config and a direct call of the adapter aggregate both ask here."""
+        if self.name not in LOW_RANK_SERVER_OPTIMIZERS:
+            return (
+                f"aggregate.server_optimizer: {self.name} keeps per-coordinate state that is not low-rank; "
+                f"with train.adapter use {' or '.join(LOW_RANK_SERVER_OPTIMIZERS)}"
+            )
+        if not self.plain and adapter_merge != "exact":
+            return (
+                f"aggregate.server_optimizer: {self.name} with train.adapter needs aggregate.adapter_merge: "
+                "exact (average_factors is not the sites' mean update, so a step on it is not the "
+                "optimizer's; sgd at lr 1 takes either)"
+            )
+        return None
+
 
 @dataclass(frozen=True)
 class AggregateOptions(_Options):
@@ -1147,16 +1163,9 @@ def _check_adapters(
             f"{source}: aggregate.method: {aggregate.method} merges whole task vectors; with "
             "train.adapter use fedavg (aggregate.adapter_merge says how the adapters combine)"
         )
-    if aggregate.server_optimizer.name not in LOW_RANK_SERVER_OPTIMIZERS:
-        raise ConfigError(
-            f"{source}: aggregate.server_optimizer: {aggregate.server_optimizer.name} keeps per-coordinate "
-            f"state that is not low-rank; with train.adapter use {' or '.join(LOW_RANK_SERVER_OPTIMIZERS)}"
-        )
-    if not aggregate.server_optimizer.plain and aggregate.adapter_merge != "exact":
-        raise ConfigError(
-            f"{source}: aggregate.server_optimizer: {aggregate.server_optimizer.name} with train.adapter "
-            "needs aggregate.adapter_merge: exact (or server_optimizer sgd at lr 1 with average_factors)"
-        )
+    problem = aggregate.server_optimizer.adapter_problem(aggregate.adapter_merge)
+    if problem:
+        raise ConfigError(f"{source}: {problem}")
     if aggregate.compare:
         raise ConfigError(f"{source}: aggregate.compare: not available with train.adapter")
     if federation["site_optimizer"] == "keep":
