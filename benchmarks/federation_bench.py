@@ -303,7 +303,7 @@ class Bench:
                         self.blocks[site], options, plan, options.max_steps, self.vocab
                     )
             state, server_state = merge(state, trained, weights, aggregate.server_optimizer, server_state,
-                                        counts, self.vocab_tensors)  # fmt: skip
+                                        counts, self.vocab_tensors, aggregate.vocab_factor(len(weights)))  # fmt: skip
             # Scored after rounds 1, R/2 and R from scratch; only after R in the slow fine-tuning regimes.
             if r == run.rounds or (self.regime == "scratch" and r in (1, run.rounds // 2)):
                 for site, value in self.perplexity(state).items():
@@ -321,15 +321,15 @@ def round_counts(blocks: np.ndarray, options, plan: RoundPlan, steps: int, vocab
     return token_counts.count(batches, vocab)
 
 
-def merge(start: dict, trained: dict, weights: dict, optimizer, state: dict, counts=None, rows=()):
+def merge(start: dict, trained: dict, weights: dict, optimizer, state: dict, counts=None, rows=(), step=1.0):
     """aggregate: delta = sum_i w_i (site_i - start) per tensor, then the server optimizer's update.
     With `counts` (site -> token counts of the round; aggregate.vocab_rows: counts), the tensors with a
-    row per token id take the aggregate's row weights."""
+    row per token id take the aggregate's row weights, times `step` (aggregate.vocab_step)."""
     new, new_state = {}, {}
     slots = server_optimizers.slots(optimizer)
     table = None
     if counts is not None:
-        table = token_counts.row_weights([counts[s] for s in weights], list(weights.values()))
+        table = token_counts.row_weights([counts[s] for s in weights], list(weights.values())) * step
         vocab = table.shape[1]
     for name, base in start.items():
         if not base.is_floating_point():

@@ -30,7 +30,7 @@ def test_the_demo_runs_on_real_text_with_the_tested_settings():
     rows merged as then, which its exact figures rest on, docs/federation.md) and in its rounds."""
     real = load_config(ROOT / "config" / "config.yaml", base_dir=ROOT)
     tested = load_config(DEMO, base_dir=ROOT)
-    strategy = {key: real["aggregate"][key] for key in ("server_optimizer", "vocab_rows")}
+    strategy = {key: real["aggregate"][key] for key in ("server_optimizer", "vocab_rows", "vocab_step")}
     # and in how its 64 steps are cut: 8 rounds of 8 where the generated text ran 6 of 10.
     assert (real["federation"]["rounds"], real["train"]["max_steps"]) == (8, 8)
     assert (tested["federation"]["rounds"], tested["train"]["max_steps"]) == (6, 10)
@@ -42,6 +42,7 @@ def test_the_demo_runs_on_real_text_with_the_tested_settings():
     assert "aggregate" not in yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
     assert (default["name"], default["lr"], default["momentum"]) == ("fedavgm", 1.0, 0.5)
     assert (real["aggregate"]["vocab_rows"], tested["aggregate"]["vocab_rows"]) == ("counts", "weights")
+    assert real["aggregate"]["vocab_step"] == "sites"
     assert list(real["sites"]) == ["it", "cs"]
     for name, site in real["sites"].items():
         files = site["dataset"]["data_files"]

@@ -1,7 +1,8 @@
 """aggregate.vocab_rows: the rows of the tensors with a row per token id are merged with the sites'
 weights times each site's frequency of the token (fedtune.core.token_counts), read from the
 token_counts.json that training writes beside each site model; everything else, and every fallback,
-stays the weighted mean."""
+stays the weighted mean. In a federation's round the merged rows' update is multiplied by
+aggregate.vocab_step (the number of sites by default)."""
 
 from __future__ import annotations
 
@@ -58,28 +59,43 @@ def expected_rows(start, models, table, name):
 COUNTS = {"a": [5] * 16 + [0] * 16, "b": [0] * 8 + [2] * 24}
 
 
-@pytest.mark.parametrize("server", [{"name": "sgd"}, {"name": "fedavgm", "lr": 1.5, "momentum": 0.5}])
-def test_vocab_rows_follow_the_sites_token_counts(tmp_path, server):
+@pytest.mark.parametrize(
+    ("server", "step", "state", "factor"),
+    [
+        ({"name": "sgd"}, "sites", False, 1.0),  # a one-shot merge: the sites' mean, no step
+        ({"name": "sgd"}, "sites", True, 2.0),  # a federation's round: 2 sites, 2x the merged rows
+        ({"name": "fedavgm", "lr": 1.5, "momentum": 0.5}, "sites", True, 2.0),
+        ({"name": "fedavgm", "lr": 1.5, "momentum": 0.5}, 0.5, True, 0.5),
+        ({"name": "sgd"}, 1, True, 1.0),
+    ],
+)
+def test_vocab_rows_follow_the_sites_token_counts(tmp_path, server, step, state, factor):
     start, models = sites_with_counts(tmp_path, COUNTS)
     out = tmp_path / "merged"
-    state = tmp_path / "state" if server["name"] == "fedavgm" else None
     record = aggregate(
-        models, out, options(weights="uniform", server_optimizer=server), start=start, server_state_out=state
+        models,
+        out,
+        options(weights="uniform", server_optimizer=server, vocab_step=step),
+        start=start,
+        server_state_out=tmp_path / "state" if state else None,
     )
-    assert record["vocab_rows"] == {"mode": "counts", "tensors": sorted(ROWS)}
-    merged, lr = read_output(out), server.get("lr", 1.0)
+    assert record["vocab_rows"] == {"mode": "counts", "tensors": sorted(ROWS), "step": factor}
+    merged, lr = read_output(out), server.get("lr", 1.0) if state else 1.0
     table = token_counts.row_weights([np.asarray(c) for c in COUNTS.values()], [0.5, 0.5])
     base = read_output(start)
     for name in ROWS:
-        want = base[name].double() + lr * (expected_rows(start, models, table, name) - base[name].double())
-        torch.testing.assert_close(merged[name].double(), want.to(merged[name].dtype).double())
-        # Rows 0-7 only site a saw: site a's update, whole, not half of it.
+        row_delta = expected_rows(start, models, table, name) - base[name].double()
+        want = base[name].double() + lr * factor * row_delta
+        # In the model's dtype (bf16): fp32 arithmetic against this double reference may round one
+        # entry the other way; a wrong step is off by far more than one unit in the last place.
+        torch.testing.assert_close(merged[name], want.to(merged[name].dtype))
+        # Rows 0-7 only site a saw: site a's update, whole, not half of it (times the step).
         site_a = read_output(models["a"])[name][:8].double()
         torch.testing.assert_close(
-            merged[name][:8].double(),
-            (base[name][:8].double() + lr * (site_a - base[name][:8].double()))
-            .to(merged[name].dtype)
-            .double(),
+            merged[name][:8],
+            (base[name][:8].double() + lr * factor * (site_a - base[name][:8].double())).to(
+                merged[name].dtype
+            ),
         )
     # Every other tensor: the plain weighted mean's step.
     name = "model.layers.0.self_attn.q_proj.weight"

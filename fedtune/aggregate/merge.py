@@ -314,9 +314,10 @@ def aggregate(
     aggregate section; its defaults when None); returns aggregate.json.
 
     `start` is the model the round started from: the base of the task vectors and of the server
-    optimizer's step (not read when the method's weighted mean is the result: fedavg with sgd at lr 1).
-    With neither state folder, fedavgm at lr 1 (the default) takes its first step, which is sgd at lr 1:
-    a one-shot merge needs no state. The server optimizer's state is read from `server_state_in` (none
+    optimizer's step (not read when the method's weighted mean is the result: fedavg with sgd at lr 1
+    and the vocab rows unstepped). With neither state folder, fedavgm at lr 1 (the default) takes its
+    first step, which is sgd at lr 1, and the vocab rows no step: a one-shot merge is the sites' mean and
+    needs no state. The server optimizer's state is read from `server_state_in` (none
     in the first round) and written to `server_state_out`. Every check (arguments, weights,
     compatibility) runs before the first byte is written; the options were checked when they were
     made."""
@@ -324,18 +325,20 @@ def aggregate(
     options = options or AggregateOptions.from_mapping({})
     method = METHODS[options.method]
     optimizer = options.server_optimizer
-    if (
-        server_state_in is None
-        and server_state_out is None
-        and optimizer.plain_first_step
-        and not optimizer.plain
-    ):
-        # A one-shot merge: fedavgm's first step (m = delta) at lr 1 is plain sgd, and no state is kept.
-        _log(f"one merge with {optimizer.name} at lr 1 and no server state: its first step, sgd at lr 1")
+    if server_state_in is None and server_state_out is None and optimizer.plain_first_step:
+        # A one-shot merge: fedavgm's first step (m = delta) at lr 1 is plain sgd, and no state is kept;
+        # the vocab rows' step is a round's of a federation (aggregate.vocab_step), so it is the mean too.
+        if not optimizer.plain or options.vocab_step != 1:
+            _log(f"one merge with {optimizer.name} at lr 1 and no server state: the sites' mean")
         options = dataclasses.replace(
-            options, server_optimizer=ServerOptimizerOptions.from_mapping({"name": "sgd"})
+            options, server_optimizer=ServerOptimizerOptions.from_mapping({"name": "sgd"}), vocab_step=1
         )
-    plain = method.mean and options.server_optimizer.plain
+    stepped_rows = options.vocab_rows == "counts" and options.method == "fedavg"
+    plain = (
+        method.mean
+        and options.server_optimizer.plain
+        and not (stepped_rows and options.vocab_factor(len(models)) != 1)
+    )
     _check_arguments(options, models, start, server_state_out, plain)
     manifests = {site: Path(p) for site, p in (manifests or {}).items()}
     sites = list(models)
@@ -446,10 +449,16 @@ def _vocab_rows(
         counts = {m.site: token_counts.read(m.path) for m in site_models}
         table, why = token_counts.site_row_weights(counts, weights)
         shapes = {t.name: t.shape for t in order}
-        rows = {name: t for name, t in table.items() if name in shapes and shapes[name][0] == t.shape[1]}
+        factor = options.vocab_factor(len(site_models))
+        rows = {
+            name: t * factor for name, t in table.items() if name in shapes and shapes[name][0] == t.shape[1]
+        }
         if rows:
-            record["tensors"] = sorted(rows)
-            _log(f"vocab rows: {', '.join(sorted(rows))} merged with the sites' token counts")
+            record.update(tensors=sorted(rows), step=factor)
+            _log(
+                f"vocab rows: {', '.join(sorted(rows))} merged with the sites' token counts, their update "
+                f"times {factor:g} (aggregate.vocab_step)"
+            )
             return rows, record
         why = why or f"no tensor of the model is listed in the sites' {token_counts.FILE}"
     _log(f"vocab rows: with the sites' weights ({why})")

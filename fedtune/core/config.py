@@ -800,6 +800,7 @@ class AggregateOptions(_Options):
     compare: tuple[str, ...]
     weights: str | dict[str, float]
     vocab_rows: str
+    vocab_step: str | float
     max_shard_size: str
     dtype: str = "auto"
 
@@ -832,6 +833,10 @@ class AggregateOptions(_Options):
     def parameters(self) -> dict:
         """The merge methods' parameters by their config names (each method reads its own)."""
         return {"lambda": self.lam, "density": self.density, "seed": self.seed, "rescale": self.rescale}
+
+    def vocab_factor(self, sites: int) -> float:
+        """What the vocab rows' merged update is multiplied by in a round of `sites` sites (vocab_step)."""
+        return float(sites) if self.vocab_step == "sites" else float(self.vocab_step)
 
     def merge_json(self) -> str:
         """The JSON form one merge reads: without the compared methods, so that adding one to
