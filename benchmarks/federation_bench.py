@@ -21,7 +21,8 @@ fedtune.core.config.build_run_config, so the train, aggregate and pooled options
 defaults, are the pipeline's own. The stages then run in this process, with the pipeline's own pieces:
 the tokenize stage's encoder and packing, the training loop's data order (BlockOrder), round plan and
 learning-rate schedule, AdamW with the loop's settings and clipping, aggregate's token weights, its vocab
-rows (fedtune.core.token_counts: each site's token counts of the round, as training writes them) and server
+rows (fedtune.core.token_counts: each site's token counts of the round, as training writes them) and
+their step (aggregate.vocab_step), server
 optimizers (fedtune.aggregate.server_optimizers.step, tensor by tensor, with their state across rounds),
 exact LoRA aggregation (sum_i w_i s_i B_i A_i, merged into the model) and evaluate's windows and scoring.
 What it leaves out is what the figures do not depend on: processes, files, Slurm. (tests/test_demo.py
@@ -321,6 +322,12 @@ def round_counts(blocks: np.ndarray, options, plan: RoundPlan, steps: int, vocab
     return token_counts.count(batches, vocab)
 
 
+# benchmarks/federation_probes.py's changes to the merge, which are no pipeline setting: an object with
+# rows(table, counts, step) -> table and update(name, update, delta, state, by_row, optimizer) -> update
+# (None: none).
+MERGE_PROBE = None
+
+
 def merge(start: dict, trained: dict, weights: dict, optimizer, state: dict, counts=None, rows=(), step=1.0):
     """aggregate: delta = sum_i w_i (site_i - start) per tensor, then the server optimizer's update.
     With `counts` (site -> token counts of the round; aggregate.vocab_rows: counts), the tensors with a
@@ -329,7 +336,10 @@ def merge(start: dict, trained: dict, weights: dict, optimizer, state: dict, cou
     slots = server_optimizers.slots(optimizer)
     table = None
     if counts is not None:
-        table = token_counts.row_weights([counts[s] for s in weights], list(weights.values())) * step
+        site_counts = [counts[s] for s in weights]
+        table = token_counts.row_weights(site_counts, list(weights.values())) * step
+        if MERGE_PROBE is not None:
+            table = MERGE_PROBE.rows(table, site_counts, step)
         vocab = table.shape[1]
     for name, base in start.items():
         if not base.is_floating_point():
@@ -345,6 +355,8 @@ def merge(start: dict, trained: dict, weights: dict, optimizer, state: dict, cou
         out = {slot: torch.empty_like(delta) for slot in slots}
         old = {slot: state.get(name, {}).get(slot) for slot in slots}
         update = server_optimizers.step(optimizer, delta, old, out)
+        if MERGE_PROBE is not None:
+            update = MERGE_PROBE.update(name, update, delta, out, by_row, optimizer)
         new[name] = (base.float() + update).to(base.dtype)
         new_state[name] = out
     return new, new_state

@@ -1,15 +1,16 @@
 """Probes of the federation benchmark that are no pipeline setting (docs/federation.md, "The vocab rows'
 step, fourth pass"): benchmarks/federation_bench.py's CLI, with its merge or its base config patched by
-environment variables. Tuning half only; each probe's figures are in the rows marked * there.
+environment variables. Tuning half only; each probe's figures are in the rows marked * there (the
+shared-step, Nesterov and sum rows with PROBE_ROW_STEP=1, the step before this pass).
 
     PROBE_ROW_STEP=3 python benchmarks/federation_probes.py run --half tuning --strategies \\
         --candidate '{}' --label step3 --out /tmp/probe
 
-- PROBE_ROW_STEP: the vocab rows' update times this (`M`: the number of sites), replacing
-  aggregate.vocab_step (applied after the server optimizer: the same for sgd and fedavgm, which are linear);
-- PROBE_ROW_ONLY: a substring of the vocab tensors' names (lm_head, embed_tokens) the step applies to;
-- PROBE_ROWS=sum: each site that trained a token adds its whole row update;
-- PROBE_SHARED_STEP: every other tensor's update times this;
+- PROBE_ROW_STEP: the vocab rows' step (`M`: the number of sites) in place of aggregate.vocab_step;
+- PROBE_ROW_ONLY: a substring of the vocab tensors' names (lm_head, embed_tokens): the step applies to
+  that tensor only, after the server optimizer (the same for sgd and fedavgm, which are linear);
+- PROBE_ROWS=sum: each site that trained a token adds its whole row update (times the step);
+- PROBE_SHARED_STEP: the update of every tensor not merged by rows times this;
 - PROBE_NESTEROV=1: fedavgm's update lr (momentum m + delta);
 - PROBE_TIE=1, PROBE_LR=x: the scratch regime with tied embeddings, or another site (and pooled) lr;
   use a --cache of their own, since the pooled model's cache key does not name them;
@@ -29,8 +30,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import federation_bench as fb  # noqa: E402
 
-from fedtune.core import token_counts  # noqa: E402
-
 ENV = os.environ
 ROW_STEP = ENV.get("PROBE_ROW_STEP")
 ROW_ONLY = ENV.get("PROBE_ROW_ONLY", "")
@@ -44,45 +43,33 @@ fb.sets.TUNING["eight"] = fb.sets._sites(
 )
 
 
-def merge(start, trained, weights, optimizer, state, counts=None, rows=(), step=1.0):
-    """federation_bench.merge with the probes' changes (`step`, aggregate.vocab_step, unless PROBE_ROW_STEP)."""
-    if ROW_STEP is not None:
-        step = len(weights) if ROW_STEP == "M" else float(ROW_STEP)
-    new, new_state = {}, {}
-    slots = fb.server_optimizers.slots(optimizer)
-    table = None
-    if counts is not None:
-        table = token_counts.row_weights([counts[s] for s in weights], list(weights.values()))
+class Probe:
+    """federation_bench.merge's changes: the vocab rows' table and each tensor's update."""
+
+    row_step = 1.0
+
+    def rows(self, table, counts, step):
+        new_step = step
+        if ROW_STEP is not None:
+            new_step = len(counts) if ROW_STEP == "M" else float(ROW_STEP)
+        self.row_step = new_step
+        scale = 1.0 if ROW_ONLY else new_step  # with ROW_ONLY the step follows, tensor by tensor
         if ROWS_SUM:
-            c = torch.from_numpy(np.stack([counts[s] for s in weights])).float()
-            table = torch.where(c.sum(0, keepdim=True) > 0, (c > 0).float(), table)
-        vocab = table.shape[1]
-    for name, base in start.items():
-        if not base.is_floating_point():
-            new[name] = base
-            continue
-        delta = torch.zeros_like(base, dtype=torch.float32)
-        by_row = table is not None and name in rows and base.shape[0] == vocab
-        for i, (site, w) in enumerate(weights.items()):
-            if by_row:
-                delta.add_((trained[site][name].float() - base.float()) * table[i][:, None])
-            else:
-                delta.add_(trained[site][name].float() - base.float(), alpha=w)
-        out = {slot: torch.empty_like(delta) for slot in slots}
-        old = {slot: state.get(name, {}).get(slot) for slot in slots}
-        update = fb.server_optimizers.step(optimizer, delta, old, out)
+            c = torch.from_numpy(np.stack(counts)).float()
+            return torch.where(c.sum(0, keepdim=True) > 0, (c > 0).float(), table / step) * scale
+        return table / step * scale
+
+    def update(self, name, update, delta, state, by_row, optimizer):
         if NESTEROV and optimizer.name == "fedavgm":
-            update = optimizer.lr * (optimizer.momentum * out["m"] + delta)
-        if name not in rows:
+            update = optimizer.lr * (optimizer.momentum * state["m"] + delta)
+        if not by_row and SHARED_STEP != 1:
             update = update * SHARED_STEP
-        elif by_row and (not ROW_ONLY or ROW_ONLY in name):
-            update = update * step
-        new[name] = (base.float() + update).to(base.dtype)
-        new_state[name] = out
-    return new, new_state
+        if by_row and ROW_ONLY and ROW_ONLY in name:
+            update = update * self.row_step
+        return update
 
 
-fb.merge = merge
+fb.MERGE_PROBE = Probe()
 _regime_config = fb.regime_config
 
 
