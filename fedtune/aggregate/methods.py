@@ -106,8 +106,8 @@ def fedavg(base, sites, weights, params):
 
 def fedavg_rows(base, sites, table: torch.Tensor, row_length: int):
     """fedavg's task vector with a weight per site and row (aggregate.vocab_rows: counts): `table` is
-    (sites, rows), each column summing to 1 (fedtune.core.token_counts.row_weights); the tensor is
-    (rows, row_length), flat."""
+    (sites, rows), each column summing to the vocab step (fedtune.core.token_counts.row_weights times
+    aggregate.vocab_step's factor); the tensor is (rows, row_length), flat."""
     n = base.numel()
     size = min(n, CHUNK)
     acc, tmp, base_full = (torch.empty(size) for _ in range(3))
