@@ -151,3 +151,21 @@ def test_a_damaged_record_is_named_before_anything_is_merged(tmp_path, text):
     with pytest.raises(token_counts.TokenCountsError, match=str(models["b"] / token_counts.FILE)):
         aggregate(models, tmp_path / "merged", options(weights="uniform"), start=start)
     assert not (tmp_path / "merged").exists()
+
+
+@pytest.mark.parametrize(("value", "factor"), [("sites", 3.0), (2, 2.0), (0.5, 0.5), (1, 1.0)])
+def test_the_vocab_step_is_the_number_of_sites_unless_a_number_is_given(value, factor):
+    from fedtune.core.config import AggregateOptions
+
+    options = AggregateOptions.from_mapping({"vocab_step": value})
+    assert options.vocab_factor(3) == factor
+    assert AggregateOptions.from_json(options.to_json()) == options
+    assert AggregateOptions.from_mapping({}).vocab_step == "sites"  # the schema's default
+
+
+@pytest.mark.parametrize("value", [0, -1, "all", None])
+def test_a_bad_vocab_step_is_named(value):
+    from fedtune.core.config import AggregateOptions, ConfigError
+
+    with pytest.raises(ConfigError, match="vocab_step"):
+        AggregateOptions.from_mapping({"vocab_step": value})
