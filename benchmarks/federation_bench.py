@@ -296,7 +296,7 @@ class Bench:
                 if r == 1:
                     self.round_one[key] = (trained[site], copy.deepcopy(moments[site]))
             counts = None
-            if aggregate.vocab_rows == "counts" and aggregate.method == "fedavg":
+            if aggregate.rows_by_counts:
                 counts = {}
                 for site in self.sites:
                     options = run.sites[site].train

@@ -1,6 +1,6 @@
 """Every stage's command skips the interpreter's final garbage collection (fedtune.core.cli.entry freezes
-the heap in an exit handler that runs after those registered while the command ran): with torch and transformers loaded that walk cost 1.6 s of every
-command's 8 s. The exit handlers the command registered still run, and its exit code stands."""
+the heap in an exit handler that runs after those registered while the command ran): with torch and
+transformers loaded that walk cost 1.6 s of every command's 8 s. The exit handlers the command registered still run, and its exit code stands."""
 
 from __future__ import annotations
 

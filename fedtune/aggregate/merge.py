@@ -333,11 +333,10 @@ def aggregate(
         options = dataclasses.replace(
             options, server_optimizer=ServerOptimizerOptions.from_mapping({"name": "sgd"}), vocab_step=1
         )
-    stepped_rows = options.vocab_rows == "counts" and options.method == "fedavg"
     plain = (
         method.mean
         and options.server_optimizer.plain
-        and not (stepped_rows and options.vocab_factor(len(models)) != 1)
+        and not (options.rows_by_counts and options.vocab_factor(len(models)) != 1)
     )
     _check_arguments(options, models, start, server_state_out, plain)
     manifests = {site: Path(p) for site, p in (manifests or {}).items()}

@@ -834,6 +834,12 @@ class AggregateOptions(_Options):
         """The merge methods' parameters by their config names (each method reads its own)."""
         return {"lambda": self.lam, "density": self.density, "seed": self.seed, "rescale": self.rescale}
 
+    @property
+    def rows_by_counts(self) -> bool:
+        """The vocab rows are merged by the sites' token counts (and stepped by vocab_step): vocab_rows
+        counts, which only method fedavg reads."""
+        return self.vocab_rows == "counts" and self.method == "fedavg"
+
     def vocab_factor(self, sites: int) -> float:
         """What the vocab rows' merged update is multiplied by in a round of `sites` sites (vocab_step)."""
         return float(sites) if self.vocab_step == "sites" else float(self.vocab_step)
