@@ -124,5 +124,43 @@ def test_no_rule_reads_the_raw_config():
             )
 
 
+STAGE_ORDER = re.compile(r"^Stage order: (.+)\.$", re.MULTILINE)
+
+
+def stage_order() -> list[str]:
+    """The order docs/design.md states, lowest first: a package may import itself and those before it."""
+    found = STAGE_ORDER.findall(DESIGN.read_text(encoding="utf-8"))
+    assert len(found) == 1, "docs/design.md must state the order once, as 'Stage order: core, download, ....'"
+    return [name.strip().strip("`") for name in found[0].split(",")]
+
+
+def backward_imports(graph: dict[str, set[str]], order: list[str]) -> list[str]:
+    """Each import from a package to one later in `order` (fedtune.<package>.<module>)."""
+    rank = {package: i for i, package in enumerate(order)}
+    found = []
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            source, dest = module.split(".")[1], target.split(".")[1]
+            if rank[dest] > rank[source]:
+                found.append(f"{short(module)} imports {short(target)} ({source} comes before {dest})")
+    return found
+
+
+def test_no_stage_imports_a_later_stage():
+    order = stage_order()
+    graph = import_graph()
+    packages = {module.split(".")[1] for module in graph}
+    assert packages == set(order), f"packages {sorted(packages)} against the stated order {order}"
+    assert backward_imports(graph, order) == []
+
+
+def test_the_stage_order_check_sees_a_backward_import():
+    # The import that download had before the lm-eval task preparation moved into it.
+    graph = {"fedtune.download.fetch": {"fedtune.evaluate.downstream"}, "fedtune.evaluate.downstream": set()}
+    assert backward_imports(graph, stage_order()) == [
+        "download.fetch imports evaluate.downstream (download comes before evaluate)"
+    ]
+
+
 if __name__ == "__main__":
     print("\n".join(module_map_rows()))

@@ -40,3 +40,18 @@ def test_without_a_command_nothing_is_frozen():
     result = run("none")
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == ["frozen at exit: False"]
+
+
+def test_every_module_run_as_a_script_exits_with_its_status():
+    # `main()` alone would drop the 2 that @cli.entry returns for a user error: the shell would see 0.
+    import ast
+
+    unpassed = []
+    for path in sorted((ROOT / "fedtune").rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+                call = node.value
+                if isinstance(call.func, ast.Name) and call.func.id == "main":
+                    unpassed.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert unpassed == [], f"main() called without sys.exit / raise SystemExit: {unpassed}"

@@ -102,7 +102,7 @@ def test_copied_task_read_offline_scores_as_the_lm_eval_cli(tiny_model_dir, tmp_
 def test_a_task_yamls_includes_functions_and_data_are_copied(tmp_path, monkeypatch):
     """A task that includes a base YAML and names a `!function` of the module beside it: the copy holds
     all three and its data, and lm-eval loads it from there (prepare loads every task it copies)."""
-    from fedtune.evaluate.downstream import DATASETS_CACHE, prepare
+    from fedtune.download.tasks import DATASETS_CACHE, prepare
 
     user = tmp_path / "user"
     (user / "tasks").mkdir(parents=True)
@@ -132,7 +132,7 @@ def test_a_task_yamls_includes_functions_and_data_are_copied(tmp_path, monkeypat
 
 @needs_lm_eval
 def test_a_task_lm_eval_cannot_load_fails_the_download_and_leaves_no_folder(tmp_path, monkeypatch):
-    from fedtune.evaluate.downstream import DownstreamError, prepare
+    from fedtune.download.tasks import DownstreamError, prepare
 
     (tmp_path / "broken.yaml").write_text(
         (ROOT / PROJECT_TASK).read_text().replace("task: fedtune_demo_alpha", "task: broken")

@@ -114,7 +114,7 @@ def test_the_lora_example_adapts_attention_and_mlp_and_says_what_it_moves(smollm
     """config/examples/smollm2-it-cs-lora.yaml: the same run with LoRA on every attention and MLP
     projection, embeddings frozen; its dry run states an adapter's bytes from the GGUF file's shapes."""
     from fedtune.aggregate.adapter_size import transfer_bytes
-    from fedtune.download.gguf import model_config
+    from fedtune.core.models import gguf_model_config
 
     lora = yaml.safe_load((ROOT / "config" / "examples" / "smollm2-it-cs-lora.yaml").read_text())
     full = yaml.safe_load(EXAMPLE.read_text())
@@ -139,7 +139,9 @@ def test_the_lora_example_adapts_attention_and_mlp_and_says_what_it_moves(smollm
     config.update(run=lora["run"], train=lora["train"], aggregate=lora["aggregate"])
     write_config(tmp_path, config)
     result = snakemake(tmp_path, "-n")
-    sizes = transfer_bytes(model_config(smollm2_gguf), {"r": 8, "target_modules": adapter["target_modules"]})
+    sizes = transfer_bytes(
+        gguf_model_config(smollm2_gguf), {"r": 8, "target_modules": adapter["target_modules"]}
+    )
     # 30 layers x r 8 x (q 576+576, k and v 576+192, o 576+576, gate and up 576+1536, down 1536+576)
     assert sizes["adapter_bytes"] == 4 * 30 * 8 * (2 * 1152 + 2 * 768 + 3 * 2112)
     assert "adapters: site it: adapter 9.8 MB" in result.stderr, result.stderr[-2000:]

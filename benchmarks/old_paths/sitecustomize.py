@@ -22,13 +22,20 @@ if OLD - KNOWN:
     raise SystemExit(f"FEDTUNE_OLD_PATHS: unknown {sorted(OLD - KNOWN)}; known: {sorted(KNOWN)}")
 
 
+def _replace(module, name: str, value) -> None:
+    # A renamed function would otherwise leave the "before" run measuring today's path without a word.
+    if not callable(getattr(module, name, None)):
+        raise SystemExit(f"FEDTUNE_OLD_PATHS: {module.__name__} has no function {name} to patch any more")
+    setattr(module, name, value)
+
+
 def _per_rank_loading(module):
-    module.loads_once = lambda *args, **kwargs: False
-    module.zero_init = lambda *args, **kwargs: False
+    _replace(module, "loads_once", lambda *args, **kwargs: False)
+    _replace(module, "zero_init", lambda *args, **kwargs: False)
 
 
 def _sync_checkpoint(module):
-    module._writes_async = lambda backend: False
+    _replace(module, "_writes_async", lambda backend: False)
 
 
 PATCHES = {}

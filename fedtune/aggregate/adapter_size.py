@@ -288,9 +288,9 @@ def known_model_config(run, base_dir) -> tuple[dict | None, str]:
         config.setdefault("vocab_size", model.tokenizer.vocab_size)
         return config, "model.architecture"
     if model.source == "gguf":
-        from fedtune.download.gguf import model_config
+        from fedtune.core.models import gguf_model_config
 
-        return model_config(model.path), model.path
+        return gguf_model_config(model.path), model.path
     if model.source == "local":
         path = Path(model.path) / "config.json"
         return (json.loads(path.read_text()), str(path)) if path.is_file() else (None, str(path))

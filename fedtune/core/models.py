@@ -246,3 +246,15 @@ def load_tokenizer(model_dir: str | Path, *, trust_remote_code: bool = False, re
     if not tokenizer.is_fast:
         raise ModelError(f"{model_dir}: fedtune needs a fast (Rust) tokenizer; tokenizer.json is missing")
     return tokenizer
+
+
+def gguf_model_config(path: str | Path) -> dict | None:
+    """The config.json values a GGUF file's header gives (architecture sizes, vocabulary, tied
+    embeddings), read without loading any tensor: what a dry run sizes a GGUF base model by. None where
+    the file or the gguf package is missing."""
+    try:
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+        return load_gguf_checkpoint(str(path))["config"]
+    except (ImportError, OSError, ValueError):
+        return None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from pathlib import Path
 
 from fedtune.core import cli
@@ -131,4 +132,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

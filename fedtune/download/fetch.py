@@ -6,7 +6,7 @@ offline stages need into the run's folder.
     python -m fedtune.download tasks --tasks ENTRY ... --out results/<run>/tasks
 
 `tasks` is evaluate.tasks (the downstream extra, lm-eval): each task's YAML and local data files copied,
-and each hub data set fetched into the folder's datasets cache (fedtune.evaluate.downstream.prepare), for the
+and each hub data set fetched into the folder's datasets cache (fedtune.download.tasks.prepare), for the
 evaluate jobs to read offline.
 
 With --task sequence-classification, `data` also checks the label column (integers in
@@ -257,7 +257,7 @@ def main(argv=None) -> int:
             with progress.Heartbeat(f"download data to {args.out}"):
                 download_data(DatasetOptions.from_json(args.options), args.out, args.num_labels)
         elif args.what == "tasks":
-            from fedtune.evaluate.downstream import prepare
+            from fedtune.download.tasks import prepare
 
             with progress.Heartbeat(f"download tasks to {args.out}"):
                 record = prepare(args.tasks, args.out)

@@ -115,17 +115,6 @@ def read_header(path: str | Path) -> dict:
     }
 
 
-def model_config(path: str | Path) -> dict | None:
-    """The config.json values the GGUF file's header gives (architecture sizes, vocabulary, tied
-    embeddings), read without loading any tensor; None where the file or the gguf package is missing."""
-    try:
-        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-        return load_gguf_checkpoint(str(path))["config"]
-    except (ImportError, OSError, ValueError):
-        return None
-
-
 def convert(path: str | Path, out_dir: str | Path, *, dtype: str = "float32") -> dict:
     """Convert the GGUF file at `path` into a save_pretrained folder at `out_dir` (which the caller
     makes atomic) in `dtype`. Returns the provenance record: where the weights came from."""

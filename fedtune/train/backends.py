@@ -477,7 +477,7 @@ def prepare_layers(model, options: TrainOptions, job: Job) -> None:
         print(f"layers: activation checkpointing of {layers}, {compiled} compiled", flush=True)
 
 
-def build(model, options: TrainOptions, job: Job, accumulation: int):
+def build(model, options: TrainOptions, job: Job, accumulation: int) -> Backend:
     prepare_layers(model, options, job)
     if options.backend == "fsdp":
         cls = DDPBackend if options.sharding == "none" else FSDPBackend

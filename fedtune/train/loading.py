@@ -24,11 +24,15 @@ the per-rank one for every mode)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from fedtune.core.config import TrainOptions
 from fedtune.core.safetensors_stream import ST_DTYPES, read_header
+
+if TYPE_CHECKING:  # backends imports torch.distributed's modules; loaded when a backend is built
+    from fedtune.train.backends import Backend
 
 META_SHARDINGS = ("full", "hybrid", "hybrid_zero2")
 
@@ -66,7 +70,7 @@ def ties_embeddings(model_dir: Path) -> bool:
 
 def load_backend(
     model_dir, options: TrainOptions, job, accumulation: int, *, task: str, allow_pickle: bool = False
-):
+) -> Backend:
     """The backend of fedtune.train.backends, holding the starting weights of `model_dir` in fp32."""
     model_dir = Path(model_dir)
     # Both paths leave the random generators as they found them: the first steps (dropout) then do not

@@ -33,6 +33,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fedtune.core import adapters, cli, token_counts, tracking
 from fedtune.core.atomic import atomic_dir, write_json, write_text
@@ -42,6 +43,9 @@ from fedtune.tokenize.blocks import BlockOrder, Blocks, manifest_shards, trained
 from fedtune.tokenize.shards import verify_shard
 from fedtune.train import checkpoint, distributed, loading
 from fedtune.train.schedule import learning_rate
+
+if TYPE_CHECKING:
+    from fedtune.train.backends import Backend
 
 EXIT_RETRY = 75  # sysexits.h EX_TEMPFAIL: "temporary failure, the user is invited to retry"
 RETRY_MARKER_ENV = "FEDTUNE_RETRY_MARKER"
@@ -165,7 +169,7 @@ class Setup:
     total_steps: int  # this round's
     task: str
     job: object  # fedtune.train.distributed.Job
-    backend: object  # a fedtune.train.backends.Backend
+    backend: Backend
     identity: dict
 
     @property

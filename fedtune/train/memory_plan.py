@@ -43,6 +43,7 @@ caching allocator reserved 1.23-1.29x the live peak under FSDP2: CUDA_RESERVE_SH
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, replace
 
 from fedtune.core import cli
@@ -414,4 +415,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

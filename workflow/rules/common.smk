@@ -19,7 +19,7 @@ os.environ.update(
 from fedtune.core.config import ConfigError, build_run_config
 
 try:
-    # Fills in the defaults of `config` too, so rules may read plain sections from it.
+    # Rules read RUN's typed objects, never `config` (tests/test_architecture.py).
     RUN = build_run_config(
         config, source=" + ".join(map(str, workflow.configfiles)) or "config"
     )
