@@ -4,6 +4,7 @@ sharding and ZeRO stage, beats the base model on every site's own test set, and 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -13,19 +14,35 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
-from fedtune.core.config import check_config
+from fedtune.aggregate.merge import aggregate
+from fedtune.core.config import AggregateOptions, build_run_config, check_config
 from tests.support.twins import differences, make_twin
+from tests.test_aggregate import read_output, write_manifest
+from tests.test_vocab_rows import COUNTS, ROWS, sites_with_counts
 
 from .workflow_harness import ROOT, snakemake
 
+ALL_EXAMPLES = sorted((ROOT / "config" / "examples").glob("*.yaml"))
+PUBLISHED = ROOT / "config" / "examples" / "llama2-it-cs.yaml"
+RECOMMENDED = ROOT / "config" / "examples" / "llama2-it-cs-recommended.yaml"
+# What the recommended example may change in the published one: its name, the merge (left at the
+# defaults), and how the same epoch is cut into rounds.
+RECOMMENDED_CHANGES = {"run", "aggregate.server_optimizer.name", "aggregate.server_optimizer.lr",
+                       "aggregate.vocab_rows", "aggregate.vocab_step", "federation.rounds", "train.epochs",
+                       "federation.remotes.karolina.path"}  # fmt: skip
+
 # An example from a GGUF file names a real, small model on this machine: it runs itself, cut down
-# (tests/test_smollm2.py), rather than a twin with a random stand-in.
+# (tests/test_smollm2.py), rather than a twin with a random stand-in. The recommended Llama-2 example is
+# the published one with the default merge and 4 rounds (test_the_recommended_example_...): the
+# published one's twin runs its stages, and the demo and tests/test_federation_workflow.py the default
+# strategy over rounds, so its own twin would add minutes to the suite and check nothing new.
 EXAMPLES = [
     path
-    for path in sorted((ROOT / "config" / "examples").glob("*.yaml"))
-    if yaml.safe_load(path.read_text())["model"]["source"] != "gguf"
+    for path in ALL_EXAMPLES
+    if yaml.safe_load(path.read_text())["model"]["source"] != "gguf" and path != RECOMMENDED
 ]
 
 # What a twin may change, written out here rather than read from the twins module, so that a twin cannot
@@ -76,6 +93,63 @@ def test_the_examples_are_there():
     names = {path.stem for path in EXAMPLES}
     assert {"llama2-it-cs", "llama2-it-cs-lora", "opt125m-yelp", "gpt2-wikitext", "gpt2-wikitext-deepspeed",
             "gpt2-scratch", "distilbert-imdb", "demo-lora"} <= names, names  # fmt: skip
+
+
+@pytest.mark.parametrize("path", ALL_EXAMPLES, ids=lambda path: path.stem)
+def test_every_example_says_what_it_reproduces_and_what_it_changes(path):
+    """The header comment of every example has a `# Reproduces:` and a `# Changes:` paragraph, each with
+    something in it, before the first key."""
+    header = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.startswith("#"):
+            break
+        header.append(line)
+    text = "\n".join(header)
+    for label in ("# Reproduces: ", "# Changes: "):
+        assert label in text, (path.name, label)
+        assert len(text.split(label, 1)[1].split("\n# ", 1)[0].strip()) > 20, (path.name, label)
+
+
+def test_the_published_example_merges_by_the_plain_weighted_mean(tmp_path):
+    """llama2-it-cs.yaml runs the published method: its aggregate options, as the rule passes them (with
+    a start model, a server state folder, and each site's token counts beside its model), give the
+    token-weighted mean of the site models on every tensor, the embedding and LM-head rows included, and
+    take no server step."""
+
+    run = build_run_config(load(PUBLISHED), source=str(PUBLISHED))
+    assert run.rounds == 1
+    options = AggregateOptions.from_mapping(json.loads(run.aggregate.merge_json()))
+    assert options.server_optimizer.plain and not options.rows_by_counts
+    options = dataclasses.replace(options, dtype="float32")
+    start, models = sites_with_counts(tmp_path, COUNTS)
+    assert all((folder / "token_counts.json").is_file() for folder in models.values())
+    manifests = {
+        site: write_manifest(tmp_path / f"{site}.json", site, n) for site, n in (("a", 100), ("b", 300))
+    }
+    record = aggregate(models, tmp_path / "merged", options, manifests=manifests, start=start,
+                       server_state_out=tmp_path / "server_state")  # fmt: skip
+    assert "server_optimizer" not in record and "start" not in record, record
+    assert record["vocab_rows"]["tensors"] == [] and record["weights"]["normalised"] == {"a": 0.25, "b": 0.75}
+    merged = read_output(tmp_path / "merged")
+    sites = [read_output(folder) for folder in models.values()]
+    for name in merged:
+        mean = 0.25 * sites[0][name].double() + 0.75 * sites[1][name].double()
+        torch.testing.assert_close(merged[name].double(), mean, rtol=1e-6, atol=1e-6)
+    assert set(ROWS) <= set(merged)
+
+
+def test_the_recommended_example_is_the_published_one_with_the_default_strategy():
+    """llama2-it-cs-recommended.yaml changes only the merge (to the aggregate section's defaults) and cuts
+    the published epoch into rounds, at the same tokens per site."""
+    published, recommended = load(PUBLISHED), load(RECOMMENDED)
+    changed = set(differences(published, recommended))
+    assert changed <= RECOMMENDED_CHANGES, changed - RECOMMENDED_CHANGES
+    built = build_run_config(recommended, source=str(RECOMMENDED))
+    assert built.aggregate == AggregateOptions.from_mapping(
+        {"max_shard_size": "5GB", "dtype": built.aggregate.dtype}
+    )
+    epochs = lambda config: config["train"]["epochs"] * config["federation"]["rounds"]  # noqa: E731
+    assert epochs(recommended) == epochs(published) == 1
 
 
 @pytest.fixture(scope="module", params=EXAMPLES, ids=lambda path: path.stem)

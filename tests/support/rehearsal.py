@@ -1,0 +1,130 @@
+"""The two-cluster run rehearsed on one machine: the demo's two sites (it, cs) on two "clusters" with a
+run folder and a Snakemake controller each, as on Leonardo and Karolina. `leo` trains it, aggregates and
+reaches `karo` (site cs) over real SSH (a local sshd on a free port, with keys made for the rehearsal);
+karo logs in nowhere and receives each aggregate by push, as config/examples/llama2-it-cs.yaml sets up.
+(Named leo and karo: scripts/clusters/leonardo.sh and karolina.sh need the real clusters' scratch.)
+
+    scripts/rehearse                       # 3 rounds of 3 steps, about 5 minutes on 2 cores
+    scripts/rehearse --dry-run             # the two controllers' plans only (no sshd needed)
+
+tests/test_multicluster.py runs the same set-up and checks its result against a one-cluster run."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "config" / "config.yaml"
+RUN = "rehearsal"
+CLUSTERS = {"leo": "it", "karo": "cs"}  # cluster -> its site; leo aggregates
+
+
+def lean_demo(rounds: int, steps: int) -> dict:
+    """config/config.yaml, small: `rounds` rounds of `steps` steps, one shard, the last round evaluated on
+    10 documents, no pooled baseline; data paths absolute, so it runs from any working directory."""
+    config = yaml.safe_load(DEMO.read_text())
+    config["run"] = RUN
+    for site in config["sites"].values():
+        files = site["dataset"]["data_files"]
+        site["dataset"]["data_files"] = {split: str(ROOT / path) for split, path in files.items()}
+    config["tokenize"] = {**config["tokenize"], "shards": 1}
+    config["train"] = {**config["train"], "max_steps": steps, "warmup_steps": 1}
+    config["evaluate"] = {**config["evaluate"], "intermediate": "none", "max_documents": 10}
+    config["federation"] = {"rounds": rounds, "pooled_baseline": False}
+    if set(config["sites"]) != set(CLUSTERS.values()):
+        raise SystemExit(f"rehearse: {DEMO} has sites {sorted(config['sites'])}, expected it and cs")
+    return config
+
+
+def write_clusters(out: Path, config: dict, host: str) -> dict[str, Path]:
+    """One working directory per cluster, each with the same config but its own `cluster`."""
+    folders = {}
+    karo_run = (out / "karo" / "results" / RUN).resolve()
+    for cluster in CLUSTERS:
+        workdir = out / cluster
+        workdir.mkdir(parents=True, exist_ok=True)
+        mine = {**config, "cluster": cluster}
+        mine["sites"] = {name: {**site, "cluster": c} for c, name in CLUSTERS.items()
+                         for site in [config["sites"][name]]}  # fmt: skip
+        mine["federation"] = {**config["federation"], "aggregate_on": "leo", "wait": "30m",
+                              "remotes": {"karo": {"path": f"{host}:{karo_run}", "transfer": "push"}}}  # fmt: skip
+        (workdir / "config.yaml").write_text(yaml.safe_dump(mine, sort_keys=False))
+        folders[cluster] = workdir
+    return folders
+
+
+def controller(workdir: Path, *extra: str) -> list[str]:
+    """The command a user runs on each login node (in tmux), with this cluster's folder."""
+    return [
+        sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile"), "--directory",
+        str(workdir), "--configfile", str(workdir / "config.yaml"), "--profile",
+        str(ROOT / "profiles" / "local"), *extra,
+    ]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="scripts/rehearse", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--out", type=Path, default=Path("results/rehearsal"), help="where both clusters' folders go"
+    )
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3, help="training steps per site and round")
+    parser.add_argument("-n", "--dry-run", action="store_true", help="print both controllers' plans only")
+    args = parser.parse_args(argv)
+    out = args.out.resolve()
+    config = lean_demo(args.rounds, args.steps)
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    if args.dry_run:
+        folders = write_clusters(out, config, "127.0.0.1")
+        for cluster, workdir in folders.items():
+            print(f"== {cluster} ({workdir})", flush=True)
+            result = subprocess.run(controller(workdir, "-n", "--quiet", "rules"), env=env, cwd=workdir)
+            if result.returncode:
+                return result.returncode
+        return 0
+
+    from tests.ssh_harness import start_sshd, stop_sshd
+
+    try:
+        server = start_sshd(out / "sshd")
+    except BaseException as error:  # pytest.skip's exception where no sshd can be had
+        raise SystemExit(f"rehearse: no local sshd: {error}") from None
+    try:
+        folders = write_clusters(out, config, server.host)
+        env["RSYNC_RSH"] = server.rsync_rsh
+        processes = {}
+        for cluster, workdir in folders.items():
+            log = open(workdir / "controller.log", "w")  # noqa: SIM115 (open while the controller runs)
+            processes[cluster] = subprocess.Popen(controller(workdir), cwd=workdir, env=env, stdout=log,
+                                                  stderr=subprocess.STDOUT)  # fmt: skip
+            print(f"{cluster}: controller started, log {workdir / 'controller.log'}", flush=True)
+        failed = [c for c, p in processes.items() if p.wait() != 0]
+    finally:
+        stop_sshd(server)
+    if failed:
+        print(
+            f"rehearse: the controller of {', '.join(failed)} failed: see its controller.log", file=sys.stderr
+        )
+        return 1
+    leo, karo = (folders[c] / "results" / RUN for c in CLUSTERS)
+    same = all(
+        {p.name: p.read_bytes() for p in (leo / f"round-{r}" / "aggregate" / "model").glob("*.safetensors")}
+        == {
+            p.name: p.read_bytes()
+            for p in (karo / f"round-{r}" / "aggregate" / "model").glob("*.safetensors")
+        }
+        for r in range(1, args.rounds)
+    )
+    print(f"done: the report is in {leo / 'report'}; karo received the aggregates of rounds 1-{args.rounds - 1}"
+          f" {'byte for byte' if same else 'WITH DIFFERENT BYTES'}")  # fmt: skip
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
