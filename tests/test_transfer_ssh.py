@@ -120,7 +120,7 @@ def test_a_host_that_asks_for_a_password_fails_within_its_timeout_and_the_key_pu
     source = f"{sshd.host}:{there}/exchange/outbox/round-1/beta/model"
     asked = tmp_path / "asked"
     askpass = tmp_path / "askpass"
-    askpass.write_text(f"#!/bin/sh\necho \"$@\" >> {asked}\nsleep 120\n")
+    askpass.write_text(f'#!/bin/sh\necho "$@" >> {asked}\nsleep 120\n')
     askpass.chmod(0o755)
     monkeypatch.setenv("RSYNC_RSH", sshd.rsync_rsh)  # port, key, host keys: no BatchMode of its own
     monkeypatch.setenv("SSH_ASKPASS", str(askpass))
@@ -183,6 +183,13 @@ def test_a_key_confined_by_rrsync_to_the_exchange_folder_moves_everything_and_no
     received = receive(there, "round-1/aggregate/model", there / "round-1" / "aggregate" / "model")
     assert (received / "model.safetensors").read_bytes() == b"aggregate"
 
+    # What is not there yet reads as such through the key too (rrsync stops before rsync's exit 23).
+    with pytest.raises(
+        TransferError, match=r"never appeared \(last look: no \S+round-2/beta/model.COMPLETE yet"
+    ):
+        fetch(f"{remote}/exchange/outbox/round-2/beta/model", tmp_path / "r2" / "model", wait=0.5, first=0.2,
+              most=0.2, link=FAST)  # fmt: skip
+
     outside = transfer._rsync("-a", f"{remote}/round-1/beta/model/", f"{tmp_path / 'stolen'}/", link=FAST)
     assert outside.returncode != 0 and not list((tmp_path / "stolen").glob("*"))
     assert "restricted key (rrsync) refused" in transfer._said(outside, remote)
@@ -204,7 +211,9 @@ def test_ssh_options_and_time_limits_reach_every_transfer_and_bad_ones_are_refus
     assert sorted(shells) == ["fetch_site_model", "push"]
     for shell in shells.values():
         assert "--ssh-option Port=8822 --connect-timeout 20 --io-timeout 120 --transfer-timeout 7200" in shell
-    assert "--source karo-fedtune:/scratch/run/exchange/outbox/round-1/beta/model " in shells["fetch_site_model"]
+    assert (
+        "--source karo-fedtune:/scratch/run/exchange/outbox/round-1/beta/model " in shells["fetch_site_model"]
+    )
     assert "--to karo-fedtune:/scratch/run " in shells["push"]
 
     karo["ssh_options"] = ["Port 8822"]

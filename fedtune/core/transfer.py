@@ -161,7 +161,7 @@ class Link:
     ssh_options: tuple[str, ...] = ()
     connect_timeout: int = 30
     io_timeout: int = 300
-    transfer_timeout: float = 12 * 3600.0
+    transfer_timeout: float = 6 * 3600.0
 
     def rsh(self) -> str:
         """rsync's -e: $RSYNC_RSH (default ssh) with options that keep it from prompting or hanging.
@@ -253,11 +253,22 @@ REASONS = (
         "the connection went silent (ssh's ServerAliveInterval gave up)",
     ),
     (
+        ("restricted directory does not exist",),
+        "the folder its key is confined to (rrsync) is not there yet: the run's exchange folder, "
+        "which that cluster's controller makes with its first transfer job",
+    ),
+    (
         ("rrsync",),
         "the restricted key (rrsync) refused the request: does its folder exist, and is it the run's "
         "exchange folder?",
     ),
 )
+
+
+def _missing_behind_rrsync(result: Outcome) -> bool:
+    """A missing source seen through a restricted key: rrsync stops before rsync would say 23."""
+    text = result.stderr.lower()
+    return "rrsync" in text and "no such file or directory" in text
 
 
 def _said(result: Outcome, spec: str = "", link: Link = Link()) -> str:
@@ -365,7 +376,7 @@ def fetch(
             result = _rsync("-a", source + MARKER, str(local_marker), rsync=rsync, link=link)
             if result.returncode == 0:
                 return None
-            if result.returncode in NOT_THERE:
+            if result.returncode in NOT_THERE or _missing_behind_rrsync(result):
                 return f"no {source + MARKER} yet"
             return _said(result, source, link)
 
