@@ -1,7 +1,10 @@
 """A real SSH server on this machine for the multi-cluster tests: sshd on a free local port, with a host
 key and a user key made for the session. rsync then reaches `127.0.0.1:/path` through it (RSYNC_RSH), as
-it reaches another cluster's login node. Skips (with the reason) only where sshd cannot be had; in CI
-(CI=true, root) it must run (tests/conftest.py turns the skip into a failure)."""
+it reaches another cluster's login node. RSYNC_RSH carries the port, the key and the host-key settings
+only: BatchMode and the time limits come from fedtune.core.transfer, as on the clusters. `restrict`
+confines the key to one folder with rsync's rrsync, as docs/transfers.md tells an admin to; `revoke`
+and `allow` take the key away and put it back. Skips (with the reason) only where sshd cannot be had; in
+CI (CI=true, root) it must run (tests/conftest.py turns the skip into a failure)."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ class SSHServer:
     host: str
     rsync_rsh: str
     process: subprocess.Popen
+    folder: Path
 
     def env(self) -> dict[str, str]:
         """The environment under which rsync (and every job started from it) logs in through this server."""
@@ -46,7 +50,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_sshd(folder: Path) -> SSHServer:
+def start_sshd(folder: Path, *, passwords: bool = False) -> SSHServer:
+    """sshd on a free port that takes the session's key. passwords=True: it also offers password
+    logins, as a login node does, so a client without a usable key is asked for a password."""
     sshd = _sshd()
     if sshd is None:
         pytest.skip(
@@ -61,7 +67,8 @@ def start_sshd(folder: Path) -> SSHServer:
     config.write_text(
         f"Port {port}\nListenAddress 127.0.0.1\nHostKey {folder / 'host_key'}\nPidFile {folder / 'sshd.pid'}\n"
         f"AuthorizedKeysFile {folder / 'authorized_keys'}\nStrictModes no\nUsePAM no\n"
-        "PasswordAuthentication no\nKbdInteractiveAuthentication no\nPermitRootLogin prohibit-password\n"
+        f"PasswordAuthentication {'yes' if passwords else 'no'}\nKbdInteractiveAuthentication no\n"
+        f"PermitRootLogin {'yes' if passwords else 'prohibit-password'}\n"
     )
     if os.geteuid() == 0:
         Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege separation folder
@@ -71,14 +78,16 @@ def start_sshd(folder: Path) -> SSHServer:
         stderr=open(folder / "sshd.log", "w"),
     )
     rsh = (
-        f"ssh -p {port} -i {folder / 'user_key'} -o BatchMode=yes -o StrictHostKeyChecking=no"
+        f"ssh -p {port} -i {folder / 'user_key'} -o IdentitiesOnly=yes -o StrictHostKeyChecking=no"
         " -o UserKnownHostsFile=/dev/null -o LogLevel=ERROR"
     )
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        probe = subprocess.run([*rsh.split(), "127.0.0.1", "true"], capture_output=True, text=True)
+        probe = subprocess.run(
+            [*rsh.split(), "-o", "BatchMode=yes", "127.0.0.1", "true"], capture_output=True, text=True
+        )
         if probe.returncode == 0:
-            return SSHServer("127.0.0.1", rsh, process)
+            return SSHServer("127.0.0.1", rsh, process, folder)
         if process.poll() is not None:
             break
         time.sleep(0.3)
@@ -89,3 +98,32 @@ def start_sshd(folder: Path) -> SSHServer:
 def stop_sshd(server: SSHServer) -> None:
     server.process.terminate()
     server.process.wait(timeout=10)
+
+
+def authorized_key_line(server: SSHServer, directory: Path) -> str:
+    """The authorized_keys line of docs/transfers.md: the key may only run rsync's rrsync, confined to
+    `directory` (a run's exchange folder), with absolute paths under it allowed (-absolute: the same
+    remote path works with and without the restriction), no lock (parallel transfers), links munged, and
+    nothing else (restrict: no terminal, no forwarding)."""
+    rrsync = shutil.which("rrsync") or "/usr/bin/rrsync"
+    key = (server.folder / "user_key.pub").read_text().strip()
+    return f'command="{rrsync} -absolute -no-lock -munge {directory}",restrict {key}\n'
+
+
+def restrict(server: SSHServer, directory: Path) -> None:
+    """Confine the session's key to `directory` (sshd reads authorized_keys at every login)."""
+    if not (shutil.which("rrsync") or Path("/usr/bin/rrsync").is_file()):
+        pytest.skip("no rrsync here (Debian's rsync package ships it as /usr/bin/rrsync)")
+    (server.folder / "authorized_keys").write_text(authorized_key_line(server, directory))
+
+
+def revoke(server: SSHServer) -> str:
+    """Take the key away; returns the authorized_keys text, for `allow`."""
+    path = server.folder / "authorized_keys"
+    text = path.read_text()
+    path.write_text("")
+    return text
+
+
+def allow(server: SSHServer, text: str) -> None:
+    (server.folder / "authorized_keys").write_text(text)

@@ -1,6 +1,8 @@
 """Two clusters on this machine, unattended: two run folders, two controllers started together with one
 command each, all rounds. `leo` (site alpha; Leonardo in the published setup) aggregates and reaches
-`karo` (site beta; Karolina) over real SSH (a local sshd, tests/ssh_harness.py); karo logs in nowhere.
+`karo` (site beta; Karolina) over real SSH (a local sshd, tests/ssh_harness.py) with the key an admin
+would allow: confined by rsync's rrsync to karo's exchange folder (docs/transfers.md), and ssh in BatchMode
+from fedtune itself (the harness's RSYNC_RSH carries only the port and the key); karo logs in nowhere.
 (Not named leonardo and karolina: their scripts/clusters/*.sh need the real clusters' scratch.) The final aggregate must be bit-identical
 to a one-cluster run of the same config, also when a controller is killed mid-round and restarted; a
 remote that never delivers ends in the timeout error with nothing partial left."""
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from .ssh_harness import start_sshd, stop_sshd
+from .ssh_harness import restrict, start_sshd, stop_sshd
 from .workflow_harness import ROOT, VENV_BIN, demo_config, snakemake, write_config
 
 pytestmark = pytest.mark.sshd
@@ -83,9 +85,28 @@ def one_cluster(tmp_path: Path, config: dict) -> dict[str, bytes]:
 
 @pytest.fixture
 def ssh(tmp_path):
+    """The local sshd, its key confined to karo's exchange folder (made by karo's run when it starts)."""
     server = start_sshd(tmp_path / "sshd")
+    restrict(server, tmp_path / "karo" / "results" / "demo" / "exchange")
     yield server
     stop_sshd(server)
+
+
+def assert_confined(ssh, run: Path) -> None:
+    """The key the controllers used reaches the exchange folder only: the run's own folders are refused."""
+    probe = subprocess.run(
+        [
+            "rsync",
+            "-e",
+            f"{ssh.rsync_rsh} -o BatchMode=yes",
+            f"{ssh.host}:{run}/round-1/",
+            f"{run.parent / 'probe'}/",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert probe.returncode != 0 and "rrsync" in probe.stderr, probe.stderr
 
 
 @pytest.mark.slow
@@ -122,7 +143,8 @@ def test_fedadam_three_rounds_with_a_controller_killed_mid_round(tmp_path, ssh):
         assert weights(karolina, r) == weights(leonardo, r)
     assert "[transfer] received" in karolina_log and "fetch --source 127.0.0.1:" in leonardo_log
     assert (leonardo / "results/demo/report/perplexity.csv").is_file()
-    assert not list((karolina_run / "inbox").rglob("*.COMPLETE"))
+    assert not list((karolina_run / "exchange" / "inbox").rglob("*.COMPLETE"))
+    assert_confined(ssh, karolina_run)
 
 
 @pytest.mark.slow
@@ -150,6 +172,7 @@ def test_adapters_three_rounds_both_pulling(tmp_path, ssh):
         assert merged and merged == weights(leonardo, r - 1), r
     assert not (karolina_run / "round-1" / "aggregate" / "model").exists()  # no merge job of its own
     assert (leonardo_run / f"round-{ROUNDS - 1}/aggregate/adapter.COMPLETE").is_file()
+    assert_confined(ssh, karolina_run)
 
 
 def test_a_remote_that_never_delivers_ends_in_the_timeout_error(tmp_path):

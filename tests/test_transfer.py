@@ -96,7 +96,7 @@ def test_push_over_ssh_into_the_inbox_then_receive(tiny_model_dir, tmp_path):
     try:
         here, there = tmp_path / "leonardo" / "run", tmp_path / "karolina" / "run"
         shutil.copytree(tiny_model_dir, here / "round-1" / "aggregate" / "model")
-        there.mkdir(parents=True)
+        (there / "exchange" / "inbox").mkdir(parents=True)  # as the receiver's waiting job makes it
         monkey_env = dict(os.environ)
         os.environ["RSYNC_RSH"] = server.rsync_rsh
         try:
@@ -107,19 +107,19 @@ def test_push_over_ssh_into_the_inbox_then_receive(tiny_model_dir, tmp_path):
         finally:
             os.environ.clear()
             os.environ.update(monkey_env)
-        assert (there / "inbox" / "round-1" / "aggregate" / "model.COMPLETE").is_file()
+        assert (there / "exchange" / "inbox" / "round-1" / "aggregate" / "model.COMPLETE").is_file()
         out = receive(there, "round-1/aggregate/model", there / "round-1" / "aggregate" / "model")
         for path in tiny_model_dir.iterdir():
             assert (out / path.name).read_bytes() == path.read_bytes()
             assert (pulled / path.name).read_bytes() == path.read_bytes()
-        assert not list((there / "inbox" / "round-1" / "aggregate").iterdir())
+        assert not list((there / "exchange" / "inbox" / "round-1" / "aggregate").iterdir())
     finally:
         stop_sshd(server)
 
 
 def test_receive_deletes_a_copy_that_fails_verification_and_times_out(tmp_path):
     run = tmp_path / "run"
-    staged = run / "inbox" / "data" / "beta" / "manifest.json"
+    staged = run / "exchange" / "inbox" / "data" / "beta" / "manifest.json"
     staged.parent.mkdir(parents=True)
     staged.write_text("{}")
     mark(staged)
@@ -137,8 +137,8 @@ def two_clusters(tmp_path, tiny_model_dir, remotes=True):
     shutil.copytree(tiny_model_dir, remote_run / "round-1" / "beta" / "model")
     (remote_run / "data" / "beta").mkdir(parents=True)
     (remote_run / "data" / "beta" / "manifest.json").write_text('{"site": "beta", "splits": {}}')
-    mark(remote_run / "round-1" / "beta" / "model")
-    mark(remote_run / "data" / "beta" / "manifest.json")
+    for item in ("round-1/beta/model", "data/beta/manifest.json"):
+        mark(remote_run / item, remote_run / "exchange" / "outbox" / item)  # as rule mark_complete does
     leonardo.mkdir()
     config = demo_config(cluster="leonardo")
     config["sites"]["alpha"]["cluster"] = "leonardo"
@@ -193,7 +193,7 @@ def test_with_adapters_only_adapters_cross_and_each_cluster_merges_the_aggregate
     assert "merge_adapter" not in by_rule  # no Slurm job of its own here
     fetches = {job.wildcards["round"]: job.shell for job in jobs if job.name == "fetch_aggregate"}
     assert sorted(fetches) == ["1", "2"]
-    assert "--source me@leo:/run/round-1/aggregate/adapter " in fetches["1"]
+    assert "--source me@leo:/run/exchange/outbox/round-1/aggregate/adapter " in fetches["1"]
     trains = {job.wildcards["round"]: job for job in jobs if job.name in ("train", "train_merging")}
     assert sorted(trains) == ["1", "2", "3"] and all(
         job.wildcards["site"] == "beta" for job in trains.values()

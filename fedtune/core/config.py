@@ -997,11 +997,13 @@ class Site:
 
 @dataclass(frozen=True)
 class Remote:
-    """federation.remotes.<cluster>: its run folder as rsync names it, and how the files it needs from
-    the other clusters reach it (pull: it fetches them; push: their makers send them into its inbox)."""
+    """federation.remotes.<cluster>: its run folder as rsync names it, how the files it needs from the
+    other clusters reach it (pull: it fetches them; push: their makers send them into its inbox), and
+    the ssh options of a login into it."""
 
     path: str
     transfer: str = "pull"
+    ssh_options: tuple[str, ...] = ()
 
 
 DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -1021,7 +1023,7 @@ def _remotes(federation: Mapping) -> dict[str, Remote]:
     return {
         cluster: Remote(entry)
         if isinstance(entry, str)
-        else Remote(entry["path"], entry.get("transfer", "pull"))
+        else Remote(entry["path"], entry.get("transfer", "pull"), tuple(entry.get("ssh_options", ())))
         for cluster, entry in federation["remotes"].items()
     }
 
@@ -1049,6 +1051,9 @@ class RunConfig:
     aggregate_on: str
     remotes: dict[str, Remote]
     wait_s: float
+    connect_timeout_s: int
+    io_timeout_s: int
+    transfer_timeout_s: float
     sweep_site: str | None
     sweep_axis: str | None
     sweep: tuple[SweepPoint, ...]
@@ -1272,6 +1277,11 @@ def build_run_config(config: dict, *, source: str = "config", base_dir: Path | N
         aggregate_on=federation["aggregate_on"] or next(iter(sites.values())).cluster,
         remotes=_remotes(federation),
         wait_s=parse_duration(federation["wait"], f"{source}: federation.wait"),
+        connect_timeout_s=federation["connect_timeout"],
+        io_timeout_s=federation["io_timeout"],
+        transfer_timeout_s=parse_duration(
+            federation["transfer_timeout"], f"{source}: federation.transfer_timeout"
+        ),
         sweep_site=sweep_site,
         sweep_axis=sweep["axis"] if sweep else None,
         sweep=points,

@@ -1,8 +1,9 @@
 """transfer: models and manifests cross between clusters with rsync, unattended (README, "Multi-cluster
 federation").
 
-    python -m fedtune.core.transfer mark --path results/<run>/round-1/beta/model
-    python -m fedtune.core.transfer fetch --source user@host:/path/results/<run>/round-1/beta/model \\
+    python -m fedtune.core.transfer mark --path results/<run>/round-1/beta/model \\
+        --outbox results/<run>/exchange/outbox/round-1/beta/model
+    python -m fedtune.core.transfer fetch --source user@host:/path/results/<run>/exchange/outbox/round-1/beta/model \\
         --out results/<run>/round-1/beta/model --wait 3d --remote karolina --round 1 --what "beta's model"
     python -m fedtune.core.transfer push --run results/<run> --item round-1/aggregate/model \\
         --to user@host:/path/results/<run> --wait 3d --remote karolina --round 1 --what "the aggregate"
@@ -10,29 +11,41 @@ federation").
 
 A folder (or file) is complete when its maker says so: `mark` writes `<name>.COMPLETE` beside it, after
 the folder's atomic rename, with the sha256 of each of its files (sha256sum's format: `sha256sum -c` in
-the parent folder checks it). Nothing without that marker is taken.
+the parent folder checks it). Nothing without that marker is taken. With --outbox it also publishes the
+item: hard links of its files (a copy where links cannot be made) under <run>/exchange/outbox/<item>, its
+marker last. Everything another cluster reads or writes is under <run>/exchange (outbox/ and inbox/), so an
+ssh key confined there (rsync's rrsync; docs/transfers.md) is all a remote login needs.
 
 - fetch (the receiver logs in): waits until the source's marker is there, polling with backoff up to
   --wait, copies the folder under a temporary name, verifies every file against the marker and renames
   the copy into place. A copy that fails verification is deleted and fetched again.
-- push (the maker logs in): copies the item into the receiver's run folder, under inbox/, has rsync
+- push (the maker logs in): copies the item into the receiver's run folder, under exchange/inbox/, has rsync
   compare every file by checksum (sending again what differs), and sends the marker last. It waits (with
   backoff) while the receiver's run folder cannot be reached.
 - receive (the receiver of a push): waits for the marker in its own inbox, verifies, and moves the item
   into place. A copy that fails verification is deleted; the wait goes on for the next push.
 
 While waiting each prints a line naming the remote, the round, what it waits for and how long it has
-waited; at --wait it fails with what to check where, and leaves nothing partial behind."""
+waited; at --wait it fails with what to check where, and leaves nothing partial behind.
+
+No transfer can hang: ssh runs with BatchMode (it never prompts for a password or passphrase: nobody
+watches a controller in tmux), a connect timeout and a server-alive check; rsync with --timeout (no data
+for that long ends it); and every rsync call with a time limit of its own, after which its whole process
+group is killed. A failed call is named by its host and its reason (login refused, host key, no
+connection, silence) and retried with backoff within --wait, so a key or certificate put back while the
+transfer waits is picked up by its next look."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from fedtune.core import cli
@@ -41,10 +54,15 @@ from fedtune.core.checksums import sha256_file
 from fedtune.core.config import UserError, parse_duration
 
 MARKER = ".COMPLETE"
-INBOX = "inbox"
+# What other clusters reach, and nothing else: an ssh key confined to <run>/exchange suffices.
+EXCHANGE = "exchange"
+INBOX = f"{EXCHANGE}/inbox"
+OUTBOX = f"{EXCHANGE}/outbox"
 # Exit codes of rsync that mean "the source is not there (yet)": 23 partial transfer (a missing file),
 # 24 vanished source files. Everything else (255: ssh could not connect) is retried as well, and named.
 NOT_THERE = {23, 24}
+# 30: no data sent or received for --timeout seconds.
+STALLED = 30
 ATTEMPTS = 3
 
 
@@ -64,14 +82,48 @@ def marker_text(path: str | Path) -> str:
     return "".join(f"{sha256_file(p)}  {p.relative_to(path.parent).as_posix()}\n" for p in files)
 
 
-def mark(path: str | Path) -> Path:
-    """Write the marker of a finished folder or file (atomically, after it is in place)."""
+def mark(path: str | Path, outbox: str | Path | None = None) -> Path:
+    """Write the marker of a finished folder or file (atomically, after it is in place); with `outbox`,
+    publish both there too (publish)."""
     path = Path(path)
     if not path.exists():
         raise TransferError(f"--path: {path} does not exist: nothing to mark complete")
     marker = marker_path(path)
-    write_text(marker, marker_text(path))
+    text = marker_text(path)
+    write_text(marker, text)
+    if outbox is not None:
+        publish(path, Path(outbox), text)
     return marker
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    try:
+        os.link(source, target)
+    except OSError:  # another file system, or links refused: a copy costs space, not correctness
+        shutil.copy2(source, target)
+
+
+def publish(path: Path, outbox: Path, text: str) -> None:
+    """Put `path` at `outbox` as hard links (no second copy of a model on disk), then its marker. The
+    old marker goes first, so a remote never takes a half-replaced item for a complete one."""
+    marker_path(outbox).unlink(missing_ok=True)
+    if path.is_dir():
+        with atomic_dir(outbox) as tmp:
+            for source in sorted(path.rglob("*")):
+                target = tmp / source.relative_to(path)
+                if source.is_dir():
+                    target.mkdir(parents=True, exist_ok=True)
+                else:
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    _link_or_copy(source, target)
+    else:
+        outbox.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale(outbox)
+        tmp = outbox.with_name(f".{outbox.name}.tmp-link")
+        tmp.unlink(missing_ok=True)
+        _link_or_copy(path, tmp)
+        tmp.replace(outbox)
+    write_text(marker_path(outbox), text)
 
 
 def parse_marker(text: str, where: str) -> dict[str, str]:
@@ -101,13 +153,142 @@ def verify(path: Path, sums: dict[str, str], name: str) -> str | None:
     return None
 
 
-def _rsync(*args: str, rsync: str = "rsync") -> subprocess.CompletedProcess:
-    return subprocess.run([rsync, *args], capture_output=True, text=True)
+@dataclass(frozen=True)
+class Link:
+    """How rsync reaches another cluster: its ssh options (federation.remotes.<c>.ssh_options) and the
+    time limits (federation.connect_timeout, io_timeout, transfer_timeout)."""
+
+    ssh_options: tuple[str, ...] = ()
+    connect_timeout: int = 30
+    io_timeout: int = 300
+    transfer_timeout: float = 6 * 3600.0
+
+    def rsh(self) -> str:
+        """rsync's -e: $RSYNC_RSH (default ssh) with options that keep it from prompting or hanging.
+        ssh takes the first value given for an option: BatchMode comes first so nothing turns it off;
+        the remote's own options come before the timeouts, so that they may change those. Either beats
+        ~/.ssh/config, where ports, users and keys belong (docs/transfers.md)."""
+        base = os.environ.get("RSYNC_RSH", "").strip() or "ssh"
+        alive = max(1, min(30, self.io_timeout // 4))
+        options = [
+            "BatchMode=yes",
+            *self.ssh_options,
+            f"ConnectTimeout={self.connect_timeout}",
+            f"ServerAliveInterval={alive}",
+            "ServerAliveCountMax=4",
+        ]
+        return " ".join([base, *(f"-o {option}" for option in options)])
 
 
-def _said(result: subprocess.CompletedProcess) -> str:
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    return f"rsync exit {result.returncode}: {' | '.join(lines[-3:])}"
+@dataclass(frozen=True)
+class Outcome:
+    """What one rsync call did: its exit code and output, and whether its time limit ended it."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    timed_out: bool = False
+
+
+def _run(command: list[str], timeout: float) -> Outcome:
+    """Run `command` in a session of its own (no terminal that ssh could prompt on), killing its whole
+    process group at `timeout`: killing rsync alone would leave ssh holding the pipes open."""
+    process = subprocess.Popen(
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, err = process.communicate()
+        return Outcome(-signal.SIGKILL, out, err, timed_out=True)
+    return Outcome(process.returncode, out, err)
+
+
+def _rsync(*args: str, rsync: str = "rsync", link: Link = Link()) -> Outcome:
+    command = [rsync, "-e", link.rsh(), f"--timeout={link.io_timeout}", *args]
+    return _run(command, link.transfer_timeout)
+
+
+def host_of(spec: str) -> str | None:
+    """The host of an rsync path (user@host:/path -> user@host), None for a local path (rsync's rule:
+    a colon before any slash)."""
+    head, sep, _ = spec.partition(":")
+    return head if sep and head and "/" not in head else None
+
+
+# What ssh (and rrsync) print, as lower case, and what it means for the user; the first match wins.
+REASONS = (
+    (
+        ("permission denied",),
+        "login refused (Permission denied): no key, agent or certificate that the host accepts, and "
+        "BatchMode never asks for a password. Check `ssh-add -l`, the certificate's expiry, the "
+        "IdentityFile of its Host block and the authorized_keys line there",
+    ),
+    (
+        ("host key verification failed", "remote host identification has changed"),
+        "host key unknown or changed (Host key verification failed): log in once by hand to accept it, "
+        "after checking its fingerprint against the site's documentation",
+    ),
+    (
+        ("connection timed out", "operation timed out", "timed out during banner exchange"),
+        "no connection within the connect timeout (federation.connect_timeout): is the host up, are "
+        "its name and port right?",
+    ),
+    (
+        ("connection refused",),
+        "connection refused: wrong port (a Host block's Port: MeluXina listens on 8822) or no sshd",
+    ),
+    (
+        ("could not resolve hostname", "name or service not known"),
+        "unknown host name: no such DNS name and no Host block for it in ~/.ssh/config",
+    ),
+    (
+        ("not responding",),
+        "the connection went silent (ssh's ServerAliveInterval gave up)",
+    ),
+    (
+        ("restricted directory does not exist",),
+        "the folder its key is confined to (rrsync) is not there yet: the run's exchange folder, "
+        "which that cluster's controller makes with its first transfer job",
+    ),
+    (
+        ("rrsync",),
+        "the restricted key (rrsync) refused the request: does its folder exist, and is it the run's "
+        "exchange folder?",
+    ),
+)
+
+
+def _missing_behind_rrsync(result: Outcome) -> bool:
+    """A missing source seen through a restricted key: rrsync stops before rsync would say 23."""
+    text = result.stderr.lower()
+    return "rrsync" in text and "no such file or directory" in text
+
+
+def _said(result: Outcome, spec: str = "", link: Link = Link()) -> str:
+    """Why an rsync call to `spec` failed, in a line that names the host and the reason."""
+    host = host_of(spec)
+    where = f"{host}: " if host else ""
+    if result.timed_out:
+        return (
+            f"{where}stopped after {_duration(link.transfer_timeout)} (federation.transfer_timeout): the "
+            "rsync call did not finish"
+        )
+    lines = [line.strip() for line in result.stderr.splitlines() if line.strip()]
+    said = f"rsync exit {result.returncode}: {' | '.join(lines[-3:])}"
+    if result.returncode == STALLED:
+        return f"{where}no data moved for {link.io_timeout} s (federation.io_timeout) ({said})"
+    text = result.stderr.lower()
+    for needles, reason in REASONS:
+        if any(needle in text for needle in needles):
+            return f"{where}{reason} ({said})"
+    return f"{where}{said}"
 
 
 def _duration(seconds: float) -> str:
@@ -175,9 +356,11 @@ def _name(source: str) -> str:
 
 def fetch(
     source: str, out: str | Path, *, wait: float = 0, label: str = "", check: str = "",
-    rsync: str = "rsync", first: float = 2.0, most: float = 300.0,
+    rsync: str = "rsync", first: float = 2.0, most: float = 300.0, link: Link = Link(),
 ) -> Path:  # fmt: skip
-    """Pull `source` (a folder or file another cluster marked complete) into `out`."""
+    """Pull `source` (a folder or file another cluster marked complete) into `out`. A call that fails
+    (no connection, login refused, a stall) is retried with backoff up to `wait`; a copy that fails
+    verification is fetched again at once, at most ATTEMPTS times."""
     out = Path(out)
     if shutil.which(rsync) is None:
         raise TransferError(f"{rsync} not found: install rsync to fetch models from other clusters")
@@ -190,48 +373,65 @@ def fetch(
         local_marker = Path(scratch) / "marker"
 
         def look_for_marker() -> str | None:
-            result = _rsync("-a", source + MARKER, str(local_marker), rsync=rsync)
+            result = _rsync("-a", source + MARKER, str(local_marker), rsync=rsync, link=link)
             if result.returncode == 0:
                 return None
-            return f"no {source + MARKER} yet" if result.returncode in NOT_THERE else _said(result)
+            if result.returncode in NOT_THERE or _missing_behind_rrsync(result):
+                return f"no {source + MARKER} yet"
+            return _said(result, source, link)
 
         _wait_for(look_for_marker, waiter, f"{source + MARKER} never appeared", check)
         sums = parse_marker(local_marker.read_text(), source + MARKER)
         is_dir = any("/" in key for key in sums)
-        problem = ""
-        for _ in range(ATTEMPTS):
+        rejected = 0
+
+        def copy_once() -> tuple[str | None, bool]:
+            """(why the copy is not in place, whether it arrived and failed verification)."""
             if is_dir:
+                problem, arrived = None, False
                 try:
                     with atomic_dir(out) as tmp:
-                        result = _rsync("-a", f"{source}/", f"{tmp}/", rsync=rsync)
-                        problem = _said(result) if result.returncode else verify(tmp, sums, _name(source))
+                        result = _rsync("-a", f"{source}/", f"{tmp}/", rsync=rsync, link=link)
+                        arrived = result.returncode == 0
+                        problem = verify(tmp, sums, _name(source)) if arrived else _said(result, source, link)
                         if problem:
                             raise _Retry  # atomic_dir deletes the copy
                 except _Retry:
-                    continue
+                    pass
+                return problem, arrived
+            tmp = out.with_name(f".{name}.tmp-file")
+            result = _rsync("-a", source, str(tmp), rsync=rsync, link=link)
+            arrived = result.returncode == 0
+            problem = verify(tmp, sums, _name(source)) if arrived else _said(result, source, link)
+            if problem:
+                tmp.unlink(missing_ok=True)
             else:
-                tmp = out.with_name(f".{name}.tmp-file")
-                result = _rsync("-a", source, str(tmp), rsync=rsync)
-                problem = _said(result) if result.returncode else verify(tmp, sums, _name(source))
-                if problem:
-                    tmp.unlink(missing_ok=True)
-                    continue
                 tmp.replace(out)
-            break
-        else:
-            raise TransferError(
-                f"{label or source}: the copy failed verification {ATTEMPTS} times ({problem}); deleted. "
-                f"{check}"
-            )
+            return problem, arrived
+
+        def copy() -> str | None:
+            nonlocal rejected
+            while True:
+                problem, arrived = copy_once()
+                if problem is None or not arrived:
+                    return problem  # None: done; else the call failed: wait, then try again
+                rejected += 1
+                if rejected >= ATTEMPTS:
+                    raise TransferError(
+                        f"{label or source}: the copy failed verification {ATTEMPTS} times ({problem}); "
+                        f"deleted. {check}"
+                    )
+
+        _wait_for(copy, waiter, f"could not copy {source}", check)
     print(f"[transfer] fetched {source} -> {out}, every file checked against its sha256", file=sys.stderr)
     return out
 
 
 def push(
     run: str | Path, item: str, to: str, *, wait: float = 0, label: str = "", check: str = "",
-    rsync: str = "rsync", first: float = 2.0, most: float = 300.0,
+    rsync: str = "rsync", first: float = 2.0, most: float = 300.0, link: Link = Link(),
 ) -> str:  # fmt: skip
-    """Send run/item (marked complete here, or marked now) into `to`/inbox/item, marker last."""
+    """Send run/item (marked complete here, or marked now) into `to`/exchange/inbox/item, marker last."""
     run = Path(run)
     local = run / item
     if not local.exists():
@@ -247,22 +447,22 @@ def push(
 
     def send() -> str | None:
         nonlocal pushed
-        result = _rsync(*args, inbox, rsync=rsync)
+        result = _rsync(*args, inbox, rsync=rsync, link=link)
         if result.returncode:
-            return _said(result)
+            return _said(result, to, link)
         # Every file compared by checksum: what differs is listed (and sent again on the next look).
-        check_run = _rsync("-c", "-n", "-i", *args, inbox, rsync=rsync)
+        check_run = _rsync("-c", "-n", "-i", *args, inbox, rsync=rsync, link=link)
         differs = [line for line in check_run.stdout.splitlines() if line[:1] in "<>ch*"]
         if check_run.returncode or differs:
-            return f"copy differs from the original: {differs[:3] or _said(check_run)}"
+            return f"copy differs from the original: {differs[:3] or _said(check_run, to, link)}"
         with tempfile.TemporaryDirectory() as scratch:
             marker = Path(scratch) / item
             marker = marker.with_name(marker.name + MARKER)
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.write_text(text)
-            result = _rsync("-a", "--relative", f"{scratch}/./{item}{MARKER}", inbox, rsync=rsync)
+            result = _rsync("-a", "--relative", f"{scratch}/./{item}{MARKER}", inbox, rsync=rsync, link=link)
         if result.returncode:
-            return _said(result)
+            return _said(result, to, link)
         pushed = inbox + item
         return None
 
@@ -275,8 +475,11 @@ def receive(
     run: str | Path, item: str, out: str | Path, *, wait: float = 0, label: str = "", check: str = "",
     first: float = 2.0, most: float = 300.0,
 ) -> Path:  # fmt: skip
-    """Wait for `item` pushed into run/inbox by its maker, verify it, and move it to `out`."""
+    """Wait for `item` pushed into run/exchange/inbox by its maker, verify it, and move it to `out`."""
     staged = Path(run) / INBOX / item
+    # The inbox exists from the first wait on, so that the first push (which makes only the last
+    # level of its destination, and through a restricted key nothing outside it) finds it.
+    (Path(run) / INBOX).mkdir(parents=True, exist_ok=True)
     marker = marker_path(staged)
     out = Path(out)
     waiter = Waiter(wait, label or str(staged), first=first, most=most)
@@ -325,6 +528,43 @@ def _wait_options(parser) -> None:
     )
 
 
+def _link_options(parser) -> None:
+    defaults = Link()
+    parser.add_argument(
+        "--ssh-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an ssh -o option for the other cluster (federation.remotes.<c>.ssh_options); repeatable",
+    )
+    parser.add_argument(
+        "--connect-timeout",
+        type=int,
+        default=defaults.connect_timeout,
+        help=f"seconds ssh may take to connect (federation.connect_timeout, {defaults.connect_timeout})",
+    )
+    parser.add_argument(
+        "--io-timeout",
+        type=int,
+        default=defaults.io_timeout,
+        help=f"seconds without data before rsync stops (federation.io_timeout, {defaults.io_timeout})",
+    )
+    parser.add_argument(
+        "--transfer-timeout",
+        default=f"{defaults.transfer_timeout:g}",
+        help="the longest one rsync call may run: seconds, or 90m, 12h (federation.transfer_timeout)",
+    )
+
+
+def _link(args) -> Link:
+    return Link(
+        ssh_options=tuple(args.ssh_option),
+        connect_timeout=args.connect_timeout,
+        io_timeout=args.io_timeout,
+        transfer_timeout=parse_duration(args.transfer_timeout, "--transfer-timeout"),
+    )
+
+
 def _label(args) -> str:
     parts = [args.what or "it"]
     if args.round not in ("", "0"):
@@ -343,16 +583,21 @@ def main(argv=None) -> int:
     marking.add_argument(
         "--out", default=None, help="the marker's path (the workflow's output); default beside"
     )
+    marking.add_argument(
+        "--outbox", default=None, help="also publish it there, as hard links, its marker last"
+    )
     fetching = commands.add_parser("fetch", help="pull a marked folder or file from another cluster")
     fetching.add_argument("--source", required=True, help="rsync source: a folder or a file")
     cli.add_out(fetching, "the output")
     _wait_options(fetching)
+    _link_options(fetching)
     pushing = commands.add_parser("push", help="send a folder or file into another cluster's inbox")
     pushing.add_argument("--run", required=True, help="this cluster's run folder")
     pushing.add_argument("--item", required=True, help="the path inside the run folder")
     pushing.add_argument("--to", required=True, help="the other cluster's run folder, as rsync reaches it")
     pushing.add_argument("--receipt", default=None, help="a file written once the push is complete")
     _wait_options(pushing)
+    _link_options(pushing)
     receiving = commands.add_parser("receive", help="wait for a pushed folder or file and take it")
     receiving.add_argument("--run", required=True, help="this cluster's run folder")
     receiving.add_argument("--item", required=True, help="the path inside the run folder")
@@ -361,7 +606,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "mark":
-        marker = mark(args.path)
+        marker = mark(args.path, args.outbox)
         if args.out and Path(args.out) != marker:
             write_text(args.out, marker.read_text())
         return 0
@@ -370,9 +615,9 @@ def main(argv=None) -> int:
     most = args.poll_max if args.poll_max is not None else max(2.0, min(300.0, wait / 100))
     common = dict(wait=wait, label=_label(args), check=args.check, first=args.poll, most=most)
     if args.command == "fetch":
-        fetch(args.source, args.out, **common)
+        fetch(args.source, args.out, **common, link=_link(args))
     elif args.command == "push":
-        pushed = push(args.run, args.item, args.to, **common)
+        pushed = push(args.run, args.item, args.to, **common, link=_link(args))
         if args.receipt:
             write_text(args.receipt, pushed + "\n")
     else:

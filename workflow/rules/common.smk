@@ -498,6 +498,25 @@ def wait_args():
     return f"--wait {RUN.wait_s:g}"
 
 
+def link_args(cluster):
+    """ssh options and time limits of the logins into `cluster` (fedtune.core.transfer.Link)."""
+    remote = RUN.remotes.get(cluster)
+    options = remote.ssh_options if remote is not None else ()
+    return " ".join(
+        [f"--ssh-option {shlex.quote(option)}" for option in options]
+        + [
+            f"--connect-timeout {RUN.connect_timeout_s}",
+            f"--io-timeout {RUN.io_timeout_s}",
+            f"--transfer-timeout {RUN.transfer_timeout_s:g}",
+        ]
+    )
+
+
+def outbox_path(item):
+    """Where this cluster publishes `item` for the others to pull: all they read is under exchange/."""
+    return run_path("exchange", "outbox", item)
+
+
 def receive_args(item, target):
     """The transfer CLI's command and options that bring `item` (made elsewhere) to `target` here."""
     maker, round, what = next(
@@ -512,14 +531,14 @@ def receive_args(item, target):
             f"receive --run {shlex.quote(str(RUN_DIR))} --item {item} --out {shlex.quote(target)} "
             f"{wait_args()} {_messages(what, round, maker, check)}"
         )
-    source = f"{remote_path(maker, target)}/{item}"
+    source = f"{remote_path(maker, target)}/exchange/outbox/{item}"
     check = (
         f"On {maker}: is its controller running (in tmux), did its jobs fail ({RUN_DIR}/logs), and does "
         f"`rsync {source}.COMPLETE .` work from here?"
     )
     return (
         f"fetch --source {shlex.quote(source)} --out {shlex.quote(target)} {wait_args()} "
-        f"{_messages(what, round, maker, check)}"
+        f"{link_args(maker)} {_messages(what, round, maker, check)}"
     )
 
 
@@ -532,12 +551,12 @@ def push_args(wildcards):
     )
     to = remote_path(wildcards.cluster, run_path(wildcards.item))
     check = (
-        f"Is {wildcards.cluster}'s run folder {to} there (its controller makes it when it starts) and "
-        f"reachable from here: does `rsync {to}/` list it?"
+        f"Is {wildcards.cluster}'s inbox {to}/exchange/inbox there (its controller's waiting jobs make it) "
+        f"and reachable from here: does `rsync {to}/exchange/inbox/` list it?"
     )
     return (
         f"--run {shlex.quote(str(RUN_DIR))} --item {wildcards.item} --to {shlex.quote(to)} {wait_args()} "
-        f"{_messages(what, round, wildcards.cluster, check)}"
+        f"{link_args(wildcards.cluster)} {_messages(what, round, wildcards.cluster, check)}"
     )
 
 

@@ -63,7 +63,8 @@ if not aggregates_here():
             ),
 
 
-# A folder or file another cluster pulls: the sha256 list of its files, written once it is in place.
+# A folder or file another cluster pulls: the sha256 list of its files, written once it is in place, and
+# the item with its list published under exchange/outbox (hard links), where the others read it.
 rule mark_complete:
     input:
         run_path("{item}"),
@@ -78,8 +79,10 @@ rule mark_complete:
         CONDA_ENV
     container:
         CONTAINER
+    params:
+        outbox=lambda wc: outbox_path(wc.item),
     shell:
-        f"{TRANSFER} mark --path {{input:q}} --out {{output:q}} > {{log:q}} 2>&1"
+        f"{TRANSFER} mark --path {{input:q}} --out {{output:q}} --outbox {{params.outbox:q}} > {{log:q}} 2>&1"
 
 
 # A folder or file sent to a cluster whose federation.remotes entry says push: into its inbox, checked,
