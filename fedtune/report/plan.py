@@ -223,6 +223,10 @@ def scratch_parts(run: RunConfig, cluster: str | None, model_config: Mapping) ->
     return {name: n for name, n in parts.items() if n}
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
 def scratch_line(run: RunConfig, cluster: str | None, model_config: Mapping | None, origin: str) -> str:
     if model_config is None:
         return (
@@ -235,7 +239,7 @@ def scratch_line(run: RunConfig, cluster: str | None, model_config: Mapping | No
     detail = ", ".join(f"{name} {human_bytes(n)}" for name, n in parts.items())
     return (
         f"  scratch: {human_bytes(sum(parts.values()))} for models ({detail}; "
-        f"{model_parameters(model_config) / 1e9:.2f}B parameters, {run.model.dtype}; data shards not counted)"
+        f"{_count(model_parameters(model_config))} parameters, {run.model.dtype}; data shards not counted)"
     )
 
 
@@ -247,8 +251,9 @@ def summary_lines(
     here = run.cluster
     clusters = sorted({site.cluster for site in run.sites.values()} | {run.aggregate_on}) if here else [None]
     lines = [
-        "fedtune: what this run asks for (a group job is one Slurm job, though --dag draws each of its rules; "
-        "`snakemake -n --quiet rules` prints this without the list of jobs):"
+        "fedtune: what this run asks for"
+        + (" (a group job is one Slurm job, though --dag draws each of its rules; " if slurm else " (")
+        + "`snakemake -n --quiet rules` prints this without the list of jobs):"
     ]
     for cluster in sorted(clusters, key=lambda c: c != here):
         name = "this run" if cluster is None else cluster
@@ -285,7 +290,10 @@ def print_dry_run_summary(workflow, run: RunConfig, base_dir, login_rules: set[s
             {"slurm_partition", "slurm_account"} & set(job.resources.keys())
             for job in workflow.dag.needrun_jobs(exclude_finished=False)
         )
-        model_config, origin = known_model_config(run, base_dir)
+        try:
+            model_config, origin = known_model_config(run, base_dir)
+        except Exception:  # a GGUF or folder not there yet: the scratch line says where the size comes from
+            model_config, origin = None, str(run.model.name or run.model.path)
         lines = summary_lines(run, jobs, model_config, origin, slurm)
     except Exception as error:  # a summary must never turn a dry run into a failure
         lines = [f"fedtune: no summary of the run ({type(error).__name__}: {error})"]
