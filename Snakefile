@@ -24,6 +24,7 @@ include: "workflow/rules/aggregate.smk"
 include: "workflow/rules/adapters.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/report.smk"
+include: "workflow/rules/plan.smk"
 
 
 rule all:

@@ -52,8 +52,8 @@ def local_rules(profile: str | None = None) -> set[str]:
     names, rule = {"all"}, None
     for path in (ROOT / "workflow" / "rules").glob("*.smk"):
         for line in path.read_text().splitlines():
-            if match := re.match(r"^\s*rule (\w+):", line):
-                rule = match.group(1)
+            if match := re.match(r"^\s*(?:rule (\w+):|use rule \w+ as (\w+) with:)", line):
+                rule = match.group(1) or match.group(2)
             elif rule and re.match(r"^\s+localrule: True", line):
                 names.add(rule)
     overrides = profile_settings(profile).get("set-resources", {}) if profile else {}

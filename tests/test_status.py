@@ -4,6 +4,7 @@ site, one mid-training (checkpoints + a newer log line), one waiting and one fai
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -137,3 +138,103 @@ def test_status_names_a_missing_config(tmp_path):
         cwd=tmp_path, capture_output=True, text=True, env={"PYTHONPATH": str(ROOT), "PATH": ""},
     )  # fmt: skip
     assert result.returncode == 2 and "nope.yaml: config file not found" in result.stderr
+
+
+def finished_cluster_tree(tmp_path, transfer: str):
+    """The run folder of `karo` (site beta) in a 3-round federation whose models meet on `leo` (site
+    alpha), as its controller leaves it when done: beta's models of every round and their COMPLETE
+    markers (leo pulls), or push receipts (karo pushes), and the aggregates of rounds 1 and 2 received
+    (the last round's stays on leo). Returns the config file and the run folder."""
+    config = demo_config(results=str(tmp_path / "results"), federation={"rounds": 3})
+    config["sites"]["alpha"]["cluster"] = "leo"
+    config["sites"]["beta"]["cluster"] = "karo"
+    remote = "me@karo:/scratch/results/demo" if transfer == "pull" else "me@leo:/scratch/results/demo"
+    config["federation"].update(aggregate_on="leo", remotes={"karo" if transfer == "pull" else "leo": remote})
+    if transfer == "push":
+        config["federation"]["remotes"]["leo"] = {"path": remote, "transfer": "push"}
+    config_file = write_config(tmp_path, config)
+    run = tmp_path / "results" / "demo"
+    (run / "data" / "beta").mkdir(parents=True)
+    (run / "data" / "beta" / "manifest.json").write_text("{}")
+    for r in (1, 2, 3):
+        model = run / f"round-{r}" / "beta" / "model"
+        model.mkdir(parents=True)
+        (model / "training.json").write_text(
+            json.dumps({"site": "beta", "steps": 30, "final_loss": 4.0 - r / 10, "wall_time_s": 50.0})
+        )
+        (model / "loss.csv").write_text(loss_log(30))
+    items = ["data/beta/manifest.json"] + [f"round-{r}/beta/model" for r in (1, 2, 3)]
+    for item in items:
+        record = run / (f"sent/leo/{item}.COMPLETE" if transfer == "push" else f"{item}.COMPLETE")
+        record.parent.mkdir(parents=True, exist_ok=True)
+        record.write_text("0" * 64 + "  training.json\n")
+    for r, when in ((1, 1_800_000_000), (2, 1_800_003_600)):
+        (run / f"round-{r}" / "aggregate" / "model").mkdir(parents=True)
+        log = run / "logs" / "fetch_aggregate" / f"{r}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text("[transfer] fetched ...\n")
+        os.utime(log, (when, when))
+    return config_file, run
+
+
+@pytest.mark.parametrize("transfer", ["pull", "push"])
+def test_status_on_the_cluster_where_the_models_do_not_meet(tmp_path, transfer):
+    """Started with karo's profile (its `config: cluster: karo`), status reports karo's part of the
+    finished run: its site's trainings, everything it sent, the newest aggregate it received; not leo's
+    site as waiting nor the aggregates and the report as pending."""
+    config_file, run_dir = finished_cluster_tree(tmp_path, transfer)
+    profile = tmp_path / "profiles" / "karo"
+    profile.mkdir(parents=True)
+    (profile / "config.yaml").write_text("executor: slurm\nconfig:\n  cluster: karo\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "fedtune.report.status", "--configfile", str(config_file), "--profile",
+         str(profile)],
+        cwd=tmp_path, capture_output=True, text=True, env={"PYTHONPATH": str(ROOT), "PATH": ""},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "cluster: karo (the models meet on leo)" in lines
+    table = [line.split() for line in lines if line.split()[:1] in (["1"], ["2"], ["3"])]
+    assert [(row[0], row[1], row[2]) for row in table] == [(str(r), "beta", "done") for r in (1, 2, 3)]
+    assert not any("alpha" in line or "waiting" in line or "pending" in line for line in lines), lines
+    verb = "sent to" if transfer == "push" else "ready for"
+    sent = [line for line in lines if line.startswith("sent: ")]
+    assert sent[0].startswith(f"sent: beta's manifest: {verb} leo at ")
+    assert [line.split(":")[1] for line in sent[1:]] == [f" beta's model of round {r}" for r in (1, 2, 3)]
+    assert all(f": {verb} leo at " in line for line in sent)
+    assert (
+        "received: round 2's aggregate from leo at 2027-01-15 09:00:00 UTC "
+        "(2 of the 2 it sends; the last round's stays there)"
+    ) in lines
+    assert lines[-1] == "report: written on leo"
+
+    # Where the models meet, every site's model comes in and is evaluated.
+    layout = layout_from_config(config_file, cluster="leo")
+    assert layout.sites == ("alpha", "beta") and layout.aggregates_here
+    (run_dir / "round-3" / "beta" / "model.COMPLETE").unlink(missing_ok=True)
+    (run_dir / "sent" / "leo" / "round-3" / "beta" / "model.COMPLETE").unlink(missing_ok=True)
+    status = collect(layout_from_config(config_file, cluster="karo"))
+    assert [item["done"] for item in status["sent"]] == [True, True, True, False]
+    assert status["received"]["round"] == 2 and status["report"] is None
+
+
+def test_status_refuses_a_cluster_the_config_does_not_know(tmp_path):
+    config_file, _ = finished_cluster_tree(tmp_path, "pull")
+    result = subprocess.run(
+        [sys.executable, "-m", "fedtune.report.status", "--configfile", str(config_file), "--cluster", "leonard"],
+        cwd=tmp_path, capture_output=True, text=True, env={"PYTHONPATH": str(ROOT), "PATH": ""},
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "cluster 'leonard' trains no site and does not aggregate; the config's clusters are karo, leo" in (
+        result.stderr
+    )
+
+
+def test_status_reads_the_cluster_each_profile_sets():
+    """The cluster profiles are yte templates whose account expressions need the environment: status reads
+    only their `config: cluster:`, with no account set."""
+    from fedtune.report.status import profile_cluster
+
+    for cluster in ("leonardo", "karolina", "iris", "meluxina"):
+        assert profile_cluster(ROOT / "profiles" / cluster) == cluster
+    assert profile_cluster(ROOT / "profiles" / "local") is None

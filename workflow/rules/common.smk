@@ -440,32 +440,9 @@ AGGREGATE_ITEM = "adapter" if ADAPTERS else "model"
 
 def crossing_items():
     """(item, maker, receiver, round, what) of everything that crosses between clusters (round 0: data)."""
-    if HERE is None:
-        return []
-    items = []
-    for site in SITES:
-        maker = site_cluster(site)
-        if maker == AGGREGATE_ON:
-            continue
-        items.append(
-            (f"data/{site}/manifest.json", maker, AGGREGATE_ON, 0, f"{site}'s manifest")
-        )
-        items += [
-            (f"round-{r}/{site}/model", maker, AGGREGATE_ON, r, f"{site}'s model")
-            for r in ROUNDS
-        ]
-    for receiver in sorted({site_cluster(site) for site in SITES} - {AGGREGATE_ON}):
-        items += [
-            (
-                f"round-{r}/aggregate/{AGGREGATE_ITEM}",
-                AGGREGATE_ON,
-                receiver,
-                r,
-                "the aggregate",
-            )
-            for r in ROUNDS[:-1]
-        ]
-    return items
+    from fedtune.core.crossings import crossing_items
+
+    return [dataclasses.astuple(item) for item in crossing_items(RUN)]
 
 
 # The paths an item may have (a wildcard constraint), and the clusters this one pushes to.

@@ -29,6 +29,8 @@ rule fetch_manifest:
 
 # A waiting job starts only once what it waits for can exist, here once the round's start model is (a
 # site's model of round r comes from round r-1's aggregate): no R jobs polling from the first minute.
+# Snakemake's `use rule ... with:` resets localrule (9.27: the with block's default, False, replaces it),
+# so each inheriting rule says it again (test_plan.py: the fetches run in the controller).
 use rule fetch_manifest as fetch_site_model with:
     input:
         after=lambda wc: init_model_dir(wc.round),
@@ -36,6 +38,7 @@ use rule fetch_manifest as fetch_site_model with:
         directory(site_model_dir("{round}", "{site}")),
     log:
         log_path("fetch_site_model", "{round}-{site}"),
+    localrule: True
     params:
         args=lambda wc, output: receive_args(
             f"round-{wc.round}/{wc.site}/model", output[0]
@@ -57,6 +60,7 @@ if not aggregates_here():
             ),
         log:
             log_path("fetch_aggregate", "{round}"),
+        localrule: True
         params:
             args=lambda wc, output: receive_args(
                 f"round-{wc.round}/aggregate/{AGGREGATE_ITEM}", output[0]

@@ -1,0 +1,61 @@
+"""What crosses between the clusters of a federation, who makes it and who receives it: each remote site's
+manifest and round models go to `federation.aggregate_on`, each round's aggregate (its adapter with
+train.adapter) to the other clusters for their next round; the last round's aggregate stays where it is
+made. The workflow's transfer rules (common.smk) and `fedtune.report.status` read the same list."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fedtune.core.config import RunConfig
+
+
+@dataclass(frozen=True)
+class Crossing:
+    item: str  # the path inside the run folder
+    maker: str  # the cluster that makes it
+    receiver: str  # the cluster that needs it
+    round: int  # 0: the data (a manifest)
+    what: str  # for messages: "beta's model", "the aggregate"
+
+
+def uses_adapters(run: RunConfig) -> bool:
+    return any(site.train.adapter for site in run.sites.values())
+
+
+def aggregate_item(run: RunConfig) -> str:
+    """The folder of round-<r>/aggregate/ that travels: the adapter with train.adapter, else the model."""
+    return "adapter" if uses_adapters(run) else "model"
+
+
+def crossing_items(run: RunConfig) -> list[Crossing]:
+    """Everything that crosses between clusters, in the order the rounds need it; none without a cluster."""
+    if run.cluster is None:
+        return []
+    rounds = range(1, run.rounds + 1)
+    items = []
+    for name, site in run.sites.items():
+        if site.cluster == run.aggregate_on:
+            continue
+        items.append(
+            Crossing(f"data/{name}/manifest.json", site.cluster, run.aggregate_on, 0, f"{name}'s manifest")
+        )
+        items += [
+            Crossing(f"round-{r}/{name}/model", site.cluster, run.aggregate_on, r, f"{name}'s model")
+            for r in rounds
+        ]
+    for receiver in sorted({site.cluster for site in run.sites.values()} - {run.aggregate_on}):
+        items += [
+            Crossing(
+                f"round-{r}/aggregate/{aggregate_item(run)}", run.aggregate_on, receiver, r, "the aggregate"
+            )
+            for r in rounds
+            if r < run.rounds
+        ]
+    return items
+
+
+def transfer_mode(run: RunConfig, cluster: str) -> str:
+    """How files reach `cluster`'s run folder: pull (it fetches them) or push (their maker sends them)."""
+    remote = run.remotes.get(cluster)
+    return remote.transfer if remote is not None else "pull"
