@@ -33,6 +33,7 @@ CONTAINER = os.environ.get("FEDTUNE_CONTAINER", "fedtune.sif")
 DEPLOYMENT = set(map(str, workflow.deployment_settings.deployment_method))
 
 RUN_DIR = RUN.run_dir
+
 TASK = RUN.task
 CLASSIFICATION = RUN.classification
 # The report's main table: perplexity of language models, accuracy of classifiers.
@@ -60,6 +61,36 @@ def aggregates_here():
 
 LOCAL_SITES = [site for site in SITES if trains_here(site)]
 REMOTE_SITES = [site for site in SITES if not trains_here(site)]
+
+
+def scratch_lines():
+    """Where the run folder is, said at start when it is on the cluster's scratch (scratch_results, from the
+    cluster profile): the scratch's purge rule and the command that copies the final results (the report
+    and last round's models where they meet; this cluster's site models elsewhere) to work or project
+    space."""
+    scratch = RUN.scratch_results
+    if not scratch or not RUN_DIR.resolve().is_relative_to(Path(scratch).resolve()):
+        return []
+    last = f"round-{RUN.rounds}"
+    if RUN.smoke:
+        kept = [f"{last}/{site}/model" for site in LOCAL_SITES]
+    elif HERE is None or HERE == AGGREGATE_ON:
+        kept = ["report", f"{last}/aggregate/model", f"{last}/eval"]
+    else:
+        kept = [f"{last}/{site}/model" for site in LOCAL_SITES]
+    keep = RUN.scratch_keep or "<work or project space>"
+    sources = " ".join(shlex.quote(f"{RUN_DIR}/./{path}") for path in kept)
+    return [
+        f"fedtune: the run folder {RUN_DIR} is on {HERE or 'this cluster'}'s scratch"
+        + (f", where {RUN.scratch_purge}" if RUN.scratch_purge else "")
+        + ". Copy the final results before then: "
+        f"mkdir -p {keep}/{RUN.run} && rsync -a --relative {sources} {keep}/{RUN.run}/"
+    ]
+
+
+if not workflow.remote_exec:
+    for line in scratch_lines():
+        print(line, file=sys.stderr)
 
 
 def one_of(names):
@@ -558,6 +589,9 @@ def get_final_output(wildcards=None):
     """
     if wildcards is not None:  # as rule all's input function, while the DAG is built
         announce_jobs_per_round()
+    if RUN.smoke:
+        # The smoke test (config key smoke): this cluster's training jobs, nothing after them.
+        return [site_model_dir(1, site) for site in LOCAL_SITES]
     targets = tokenized_outputs() + sent_targets()
     if aggregates_here():
         targets.append(run_path("report", f"{REPORT_METRIC}.csv"))
