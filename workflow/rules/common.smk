@@ -371,6 +371,35 @@ def pooled_eval(site):
     return run_path("pooled", "eval", f"{site}.json")
 
 
+# Evaluation jobs: host memory from the model's size (fedtune.aggregate.adapter_size.evaluation_mem_mb:
+# weights in the evaluation dtype x 1.25 + 4 GB), read from the config.json this machine has (the
+# downloaded base, model.architecture, a local or GGUF model, the Hugging Face cache). Snakemake evaluates
+# the resources of a job again once its inputs exist, so a hub model's jobs are sized from its download
+# even where the dry run before it could not know (it then shows EVAL_MEM_MB_UNKNOWN).
+EVAL_MEM_MB_UNKNOWN = 16000
+
+
+def evaluation_mem_mb(wildcards=None):
+    from fedtune.aggregate.adapter_size import (
+        AdapterSizeError,
+        evaluation_mem_mb,
+        known_model_config,
+        weights_mem_mb,
+    )
+
+    dtype = RUN.evaluate.dtype or RUN.model.dtype
+    try:
+        model_config, _ = known_model_config(RUN, base_model_dir())
+    except ImportError:  # a GGUF model without the gguf extra: its download says so
+        model_config = None
+    if model_config is not None:
+        try:
+            return evaluation_mem_mb(model_config, dtype)
+        except AdapterSizeError:  # a layout the formula does not know: the files' size, if here
+            pass
+    return weights_mem_mb(base_model_dir(), dtype, model_config) or EVAL_MEM_MB_UNKNOWN
+
+
 # Downstream tasks (evaluate.tasks, lm-eval): fetched once into the run folder, scored on the base model
 # and the last round's site models and aggregate, one CSV per model.
 DOWNSTREAM = RUN.downstream
