@@ -18,7 +18,7 @@ import pytest
 from fedtune.aggregate.adapter_size import FIXED_MB, evaluation_mem_mb, load_mem_mb, model_parameters
 from fedtune.core.config import SMOKE_DOCUMENTS, TrainOptions, build_run_config
 
-from .test_profiles import ACCOUNT_VARIABLES, account, cluster_demo, local_rules, profile_settings, sbatch_options
+from .test_profiles import ACCOUNT_VARIABLES, cluster_demo, local_rules, profile_settings, sbatch_options
 from .workflow_harness import ROOT, demo_config, planned_jobs, snakemake, write_config
 
 # cluster: (GPUs per node, launcher, the smoke test's partition and QOS for training)
@@ -46,6 +46,12 @@ def clean_environment(monkeypatch, **variables: str) -> None:
         monkeypatch.setenv(name, value)
 
 
+@pytest.fixture
+def with_account(monkeypatch):
+    """What the profiles need to be read (tests/test_profiles.py's helpers read them)."""
+    clean_environment(monkeypatch, FEDTUNE_ACCOUNT="p200001")
+
+
 # 1. Multi-node GPU jobs run exclusive.
 
 
@@ -65,7 +71,9 @@ def source(cluster: str, tmp_path: Path, before: str = "", **variables: str) -> 
     """Source the cluster's file in a fresh bash (after `before`), then print its environment and limits."""
     script = ROOT / "scripts" / "clusters" / f"{cluster}.sh"
     env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "FEDTUNE_ACCOUNT": "p200001", **variables}
-    command = f"{before}\nsource {shlex.quote(str(script))}\necho NOFILE=$(ulimit -Sn) HARD=$(ulimit -Hn)\nenv"
+    command = (
+        f"{before}\nsource {shlex.quote(str(script))}\necho NOFILE=$(ulimit -Sn) HARD=$(ulimit -Hn)\nenv"
+    )
     return subprocess.run(["bash", "-euc", command], env=env, capture_output=True, text=True)
 
 
@@ -156,7 +164,7 @@ def smoke_runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("cluster", SITES)
-def test_smoke_test_trains_two_nodes_for_ten_minutes_on_the_debug_queue(cluster, smoke_runs, account):
+def test_smoke_test_trains_two_nodes_for_ten_minutes_on_the_debug_queue(cluster, smoke_runs, with_account):
     """FEDTUNE_SMOKE=1: each site's training, and nothing after it, goes to the site's debug queue on 2
     whole nodes with a 10-minute limit and 10 steps, into its own run folder <run>-smoke."""
     jobs, _, scratch = smoke_runs[cluster]
@@ -191,7 +199,7 @@ def test_smoke_config_caps_each_site_and_keeps_the_real_runs_folder_apart():
 
 
 @pytest.mark.parametrize("cluster", SITES)
-def test_tokenize_uses_the_cores_its_job_reserves(cluster, smoke_runs, account):
+def test_tokenize_uses_the_cores_its_job_reserves(cluster, smoke_runs, with_account):
     """The rule's threads (its --num-proc) are the job's --cpus-per-task, from the profile's set-threads."""
     jobs, _, _ = smoke_runs[cluster]
     cores = TOKENIZE_CORES[cluster]
@@ -225,7 +233,10 @@ def test_scratch_folder_follows_each_sites_variables(monkeypatch):
     karolina = profile_settings("karolina")["config"]
     assert karolina["scratch_results"] == "/scratch/project/open-29-12/fedtune/results"
     assert karolina["scratch_keep"] == "$(it4i-get-project-dir OPEN-29-12)/fedtune"
-    assert profile_settings("meluxina")["config"]["scratch_results"] == "/project/scratch/OPEN-29-12/fedtune/results"
+    assert (
+        profile_settings("meluxina")["config"]["scratch_results"]
+        == "/project/scratch/OPEN-29-12/fedtune/results"
+    )
 
 
 def test_a_configs_own_results_folder_wins_over_the_scratch_default():

@@ -395,7 +395,9 @@ def evaluation_mem_mb(wildcards=None):
     if model_config is not None:
         try:
             return evaluation_mem_mb(model_config, dtype)
-        except AdapterSizeError:  # a layout the formula does not know: the files' size, if here
+        except (
+            AdapterSizeError
+        ):  # a layout the formula does not know: the files' size, if here
             pass
     return weights_mem_mb(base_model_dir(), dtype, model_config) or EVAL_MEM_MB_UNKNOWN
 
@@ -647,8 +649,9 @@ CLUSTER_ENV = Path(workflow.basedir) / "scripts" / "clusters" / f"{HERE}.sh"
 if HERE is not None and CLUSTER_ENV.is_file():
     shell.prefix(f"set +u; source {shlex.quote(str(CLUSTER_ENV))}; set -u; ")
 
-# The conda environment's torch build per cluster (envs/README.md): Iris's V100s need the CUDA 12.6 build.
-if HERE == "iris":
+# The conda environment's torch build per cluster (envs/README.md): the CUDA 12.6 build on the GPU clusters
+# (Iris's V100s need its sm_70 kernels; on the A100 sites it runs on any driver >= 525.60.13).
+if HERE in ("iris", "leonardo", "karolina", "meluxina"):
     CONDA_ENV = "../../envs/fedtune-cu126.yaml"
 
 
