@@ -224,12 +224,19 @@ def test_run_folder_is_on_scratch_with_the_purge_rule_and_the_copy_command(clust
 
 def test_scratch_folder_follows_each_sites_variables(monkeypatch):
     """Without FEDTUNE_SCRATCH: Leonardo's $SCRATCH (older $CINECA_SCRATCH), Iris's $SCRATCH, Karolina's
-    and MeluXina's project scratch named by the account; no scratch known: `results` as configured."""
+    and MeluXina's project scratch named by the account where it exists; no scratch known: `results` as
+    configured."""
     clean_environment(monkeypatch, FEDTUNE_ACCOUNT="OPEN-29-12", CINECA_SCRATCH="/leonardo_scratch/u1")
     assert profile_settings("leonardo")["config"]["scratch_results"] == "/leonardo_scratch/u1/fedtune/results"
     assert "scratch_results" not in profile_settings("iris")["config"]
     monkeypatch.setenv("SCRATCH", "/scratch/users/me")
     assert profile_settings("iris")["config"]["scratch_results"] == "/scratch/users/me/fedtune/results"
+    # Karolina's and MeluXina's project scratch where it exists (on the sites), not on this machine.
+    assert "scratch_results" not in profile_settings("karolina")["config"]
+    assert "scratch_results" not in profile_settings("meluxina")["config"]
+    real_isdir = os.path.isdir
+    sites = {"/scratch/project/open-29-12", "/project/scratch/OPEN-29-12"}
+    monkeypatch.setattr(os.path, "isdir", lambda path: path in sites or real_isdir(path))
     karolina = profile_settings("karolina")["config"]
     assert karolina["scratch_results"] == "/scratch/project/open-29-12/fedtune/results"
     assert karolina["scratch_keep"] == "$(it4i-get-project-dir OPEN-29-12)/fedtune"

@@ -83,7 +83,7 @@ def scratch_lines():
     return [
         f"fedtune: the run folder {RUN_DIR} is on {HERE or 'this cluster'}'s scratch"
         + (f", where {RUN.scratch_purge}" if RUN.scratch_purge else "")
-        + ". Copy the final results before then: "
+        + ". Copy the final results off it: "
         f"mkdir -p {keep}/{RUN.run} && rsync -a --relative {sources} {keep}/{RUN.run}/"
     ]
 
