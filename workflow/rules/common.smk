@@ -1,6 +1,7 @@
 # The config as objects (fedtune.core.config, where every rule of the config lives), the results layout and
 # the input functions every rule file uses.
 import dataclasses
+import functools
 import json
 import os
 import shlex
@@ -379,7 +380,10 @@ def pooled_eval(site):
 EVAL_MEM_MB_UNKNOWN = 16000
 
 
-def evaluation_mem_mb(wildcards=None):
+@functools.cache
+def _evaluation_mem_mb(downloaded):
+    """evaluation_mem_mb for one state of the downloaded base (its config.json's mtime, or None before the
+    download): read once per state, not once per job."""
     from fedtune.aggregate.adapter_size import (
         AdapterSizeError,
         evaluation_mem_mb,
@@ -400,6 +404,13 @@ def evaluation_mem_mb(wildcards=None):
         ):  # a layout the formula does not know: the files' size, if here
             pass
     return weights_mem_mb(base_model_dir(), dtype, model_config) or EVAL_MEM_MB_UNKNOWN
+
+
+def evaluation_mem_mb(wildcards=None):
+    downloaded = Path(base_model_dir(), "config.json")
+    return _evaluation_mem_mb(
+        downloaded.stat().st_mtime_ns if downloaded.is_file() else None
+    )
 
 
 # Downstream tasks (evaluate.tasks, lm-eval): fetched once into the run folder, scored on the base model
