@@ -15,7 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from fedtune.aggregate.adapter_size import FIXED_MB, evaluation_mem_mb, load_mem_mb, model_parameters
+from fedtune.aggregate.adapter_size import (
+    FIXED_MB,
+    evaluation_mem_mb,
+    load_mem_mb,
+    model_parameters,
+    weights_mem_mb,
+)
 from fedtune.core.config import SMOKE_DOCUMENTS, TrainOptions, build_run_config
 
 from .test_profiles import ACCOUNT_VARIABLES, cluster_demo, local_rules, profile_settings, sbatch_options
@@ -295,6 +301,16 @@ def test_evaluation_memory_of_a_7b_model_holds_its_weights():
     assert bf16 == load_mem_mb(2 * 6_738_415_616) and bf16 > 16000
     assert bf16 * 2**20 > 1.25 * 13.4e9
     assert abs(evaluation_mem_mb(LLAMA2_7B, "float32") - FIXED_MB - 2 * (bf16 - FIXED_MB)) <= 1
+
+
+def test_a_layout_the_formula_does_not_know_is_sized_from_its_files(tmp_path):
+    """OPT, DistilBERT, ...: the downloaded safetensors' bytes, scaled from their stored dtype to the
+    evaluation's; nothing downloaded yet: None (the rule then asks for 16000 MB)."""
+    assert weights_mem_mb(tmp_path, "bfloat16", {"torch_dtype": "float32"}) is None
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"\0" * 3_000_000)
+    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"\0" * 1_000_000)
+    assert weights_mem_mb(tmp_path, "bfloat16", {"torch_dtype": "float32"}) == load_mem_mb(2_000_000)
+    assert weights_mem_mb(tmp_path, None, {"dtype": "float32"}) == load_mem_mb(4_000_000)
 
 
 def test_evaluation_jobs_ask_for_the_memory_of_their_model(tmp_path):

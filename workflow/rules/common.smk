@@ -34,7 +34,6 @@ CONTAINER = os.environ.get("FEDTUNE_CONTAINER", "fedtune.sif")
 DEPLOYMENT = set(map(str, workflow.deployment_settings.deployment_method))
 
 RUN_DIR = RUN.run_dir
-
 TASK = RUN.task
 CLASSIFICATION = RUN.classification
 # The report's main table: perplexity of language models, accuracy of classifiers.
@@ -399,9 +398,8 @@ def _evaluation_mem_mb(downloaded):
     if model_config is not None:
         try:
             return evaluation_mem_mb(model_config, dtype)
-        except (
-            AdapterSizeError
-        ):  # a layout the formula does not know: the files' size, if here
+        # A layout the formula does not know: the size of the downloaded files, if here.
+        except AdapterSizeError:
             pass
     return weights_mem_mb(base_model_dir(), dtype, model_config) or EVAL_MEM_MB_UNKNOWN
 
