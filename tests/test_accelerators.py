@@ -133,10 +133,12 @@ def test_train_stops_at_start_under_a_driver_too_old_instead_of_training_on_the_
 
 @pytest.mark.parametrize(
     ("cluster", "index"),
-    [("iris", "https://download.pytorch.org/whl/cu126"), ("leonardo", None), ("karolina", None), ("", None)],
-)
+    [("iris", "https://download.pytorch.org/whl/cu126"), ("leonardo", "https://download.pytorch.org/whl/cu126"),
+     ("karolina", "https://download.pytorch.org/whl/cu126"), ("", None), ("slurm-local", None)],
+)  # fmt: skip
 def test_setup_env_installs_the_torch_build_of_each_cluster(cluster, index):
-    """The same torch version everywhere; the CUDA 12.6 build (sm_70 kernels) on Iris only."""
+    """The same torch version everywhere; the CUDA 12.6 build on the GPU clusters (sm_70 kernels for Iris,
+    drivers >= 525.60.13 for all), the PyPI default elsewhere."""
     import os
     import subprocess
 

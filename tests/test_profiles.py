@@ -35,7 +35,8 @@ CLUSTERS = {
     # cluster: CPU partition (tokenize), GPU partition (train, evaluate), GPUs and cores per node, the
     # launcher the test trains with, options every GPU job carries
     "leonardo": ("lrd_all_serial", "boost_usr_prod", 4, 32, "torchrun", ["--qos=normal"]),
-    "karolina": ("qcpu", "qgpu", 8, 128, "torchrun", []),
+    # Karolina tokenizes on a qgpu eighth (1 GPU + 16 cores) unless FEDTUNE_KAROLINA_CPU_PARTITION=qcpu.
+    "karolina": ("qgpu", "qgpu", 8, 128, "torchrun", []),
     "iris": ("batch", "gpu", 4, 28, "srun", ["--qos=normal", "-C volta32"]),
     "meluxina": ("cpu", "gpu", 4, 64, "srun", ["--qos=default"]),
 }
@@ -149,7 +150,8 @@ def test_profile_dry_runs_the_demo_with_the_clusters_sbatch_options(cluster, acc
         assert f"-A {account}" in options, options
         assert re.search(r" -t \d+", options) and "--mem " in options, options
         if job.name == "tokenize" or job.name in DOWNLOAD_RULES:
-            assert f"-p {cpu_partition}" in options and "gpu" not in options, options
+            assert f"-p {cpu_partition}" in options, options
+            assert ("--gres=gpu:1" in options) if cluster == "karolina" else ("gpu" not in options), options
         else:
             assert f"-p {gpu_partition}" in options, options
         if job.name == "train":
@@ -331,9 +333,11 @@ def test_iris_needs_no_account(monkeypatch, tmp_path):
     assert profile_settings("iris")["default-resources"]["slurm_account"] == "p-lux"
 
 
-def test_karolina_runs_tokenize_jobs_eight_to_a_node(account, tmp_path):
-    """qcpu charges whole 128-core nodes: the llama2-it-cs example's 2 x 64 tokenize jobs of Karolina's
-    site run as 16 group jobs of 8 (16 cores each); other profiles keep one job per shard."""
+def test_karolina_runs_tokenize_jobs_eight_to_a_node(account, tmp_path, monkeypatch):
+    """qcpu (FEDTUNE_KAROLINA_CPU_PARTITION=qcpu) charges whole 128-core nodes: the llama2-it-cs example's
+    2 x 64 tokenize jobs of Karolina's site run as 16 group jobs of 8 (16 cores each); other profiles keep
+    one job per shard."""
+    monkeypatch.setenv("FEDTUNE_KAROLINA_CPU_PARTITION", "qcpu")
     example = ROOT / "config" / "examples" / "llama2-it-cs.yaml"
     (tmp_path / "config.yaml").write_text(example.read_text())
     groups = {}
@@ -354,7 +358,7 @@ def test_karolina_runs_tokenize_jobs_eight_to_a_node(account, tmp_path):
     settings = profile_settings("karolina")
     assert settings["groups"] == {"tokenize": "tokenize"}
     assert settings["group-components"] == {"tokenize": 8, "round-{round}": 1000}
-    assert settings["set-resources"]["tokenize"]["cpus_per_task"] * 8 == 128
+    assert settings["set-threads"]["tokenize"] * 8 == 128
 
 
 def test_apptainer_deployment_trains_inside_the_image(monkeypatch, tmp_path):
@@ -448,7 +452,7 @@ def test_karolina_charges_no_whole_node_for_a_small_job(account, tmp_path):
             site["cluster"] = "karolina"
         write_config(workdir, config)
         result = snakemake(workdir, "-n", "--forceall", profile="karolina", timeout=300)
-        groups = profile_settings("karolina")["groups"]
+        groups = profile_settings("karolina").get("groups", {})
         for job in planned_jobs(result.stdout):
             if job.name in local_rules("karolina") or job.name in groups:
                 continue

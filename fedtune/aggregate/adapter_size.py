@@ -324,3 +324,36 @@ def transfer_lines(run, base_dir) -> list[str]:
         sizes = transfer_bytes(model_config, lora, adapter_dtype=dtype, model_dtype=dtype)
         lines.append(f"adapters: site {name}: {describe(sizes)} (shapes from {origin})")
     return lines
+
+
+# Host memory of a job that loads one model (the evaluations): its weights in the dtype they are loaded in,
+# a quarter more (the checkpoint's pages while they are read, allocator slack), and a fixed part for
+# Python, torch, the CUDA context, the tokenizer and the test texts.
+LOAD_FACTOR = 1.25
+FIXED_MB = 4096
+MB = 2**20
+
+
+def load_mem_mb(weights_bytes: int) -> int:
+    """Slurm --mem (MB = MiB) for a job that loads a model of `weights_bytes` bytes."""
+    return math.ceil(weights_bytes * LOAD_FACTOR / MB) + FIXED_MB
+
+
+def evaluation_mem_mb(config: Mapping, dtype: str | None = None) -> int:
+    """--mem of an evaluation job of the model `config` describes, loaded in `dtype` (else its own)."""
+    return load_mem_mb(model_bytes(config, dtype))
+
+
+def weights_mem_mb(model_dir, dtype: str | None, config: Mapping | None) -> int | None:
+    """The same from the safetensors files of a downloaded model (for a layout the config formula does not
+    know): their bytes, scaled from the dtype they are stored in to `dtype`. None without such files."""
+    from pathlib import Path
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        return None
+    stored = config_dtype(config or {})
+    size = sum(f.stat().st_size for f in files)
+    if dtype and stored in ITEM_BYTES and dtype in ITEM_BYTES:
+        size = size * ITEM_BYTES[dtype] // ITEM_BYTES[stored]
+    return load_mem_mb(size)

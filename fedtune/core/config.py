@@ -504,6 +504,12 @@ class TrainOptions(_Options):
             return None
         return 1 if self.job_launcher == "srun" else 0
 
+    @property
+    def slurm_extra(self) -> str | None:
+        """`--exclusive` for a GPU job over several nodes: NCCL's traffic between nodes shares no node (and
+        none of its network cards) with another job, as the sites ask of such jobs. One node: None."""
+        return "--exclusive" if self.nodes > 1 and self.gpus_per_node else None
+
 
 @dataclass(frozen=True)
 class TrackingOptions(_Options):
@@ -1058,6 +1064,10 @@ class RunConfig:
     sweep_axis: str | None
     sweep: tuple[SweepPoint, ...]
     tracking: TrackingOptions
+    smoke: bool = False
+    scratch_results: str | None = None
+    scratch_purge: str | None = None
+    scratch_keep: str | None = None
 
     @property
     def run_dir(self) -> Path:
@@ -1200,9 +1210,38 @@ def _check_adapters(
             )
 
 
+# The smoke test (config key `smoke`, which the cluster profiles set under FEDTUNE_SMOKE=1): what each
+# site's training becomes, and how many documents each split keeps.
+SMOKE_TRAIN = {"nodes": 2, "runtime": 10, "max_steps": 10}
+SMOKE_DOCUMENTS = 10000
+
+
+def apply_smoke(config: dict) -> None:
+    """A validated config with `smoke: true` made into its smoke test, in place: its own run folder
+    (<run>-smoke, so that nothing of it counts for the real run), one round, every site trained on 2
+    nodes for 10 steps with a 10-minute limit, at most SMOKE_DOCUMENTS documents per split in one
+    tokenize shard, and no pooled baseline or sweep."""
+    config["run"] = f"{config['run']}-smoke"
+    config["federation"].update(rounds=1, pooled_baseline=False)
+    config["sweep"] = None
+    config["tokenize"]["shards"] = 1
+    config["train"].update(SMOKE_TRAIN)
+    for site in config["sites"].values():
+        site["train"].update(SMOKE_TRAIN)
+        dataset = site["dataset"]
+        dataset["max_documents"] = min(dataset.get("max_documents") or SMOKE_DOCUMENTS, SMOKE_DOCUMENTS)
+
+
 def build_run_config(config: dict, *, source: str = "config", base_dir: Path | None = None) -> RunConfig:
     """Validate `config` (defaults filled in place) with every rule, and return it as a RunConfig."""
+    # A cluster profile's scratch folder (scratch_results) holds the runs of a config that names no
+    # `results` folder of its own: the choice is made before the schema fills in its default.
+    if "results" not in config and config.get("scratch_results"):
+        config["results"] = config["scratch_results"]
     validate_section(config, MAIN_SCHEMA, source=source)
+    if config["smoke"] and not config["run"].endswith("-smoke"):  # (not twice on the same dict)
+        apply_smoke(config)
+        validate_section(config, MAIN_SCHEMA, source=source)
     base_dir = Path(base_dir or ".")
     model = ModelOptions.from_mapping(config["model"], source=source)
     model.check(f"{source}: model.", task=config["task"], base_dir=base_dir)
@@ -1286,6 +1325,10 @@ def build_run_config(config: dict, *, source: str = "config", base_dir: Path | N
         sweep_axis=sweep["axis"] if sweep else None,
         sweep=points,
         tracking=TrackingOptions.from_mapping(config["tracking"], source=source),
+        smoke=config["smoke"],
+        scratch_results=config["scratch_results"],
+        scratch_purge=config["scratch_purge"],
+        scratch_keep=config["scratch_keep"],
     )
 
 

@@ -1,9 +1,9 @@
 # Iris (ULHPC). Sourced by `scripts/launch --cluster iris` in every training task.
 # Each setting keeps a value already exported (e.g. in ~/.bashrc or before running Snakemake).
 
-# Modules to load, space separated; empty with a venv or container that brings its own CUDA/NCCL
-# (the PyTorch wheels do). Example: export FEDTUNE_MODULES="lang/Python system/CUDA"
-if [[ -n ${FEDTUNE_MODULES:-} ]] && type module >/dev/null 2>&1; then module load $FEDTUNE_MODULES; fi
+# Modules (FEDTUNE_MODULES, loaded by _common.sh; none is needed with the venv's PyPI wheels, which bring
+# their own CUDA and NCCL). ULHPC's module names, not verified on a GPU node:
+#   export FEDTUNE_MODULES="lang/Python system/CUDA"
 
 # V100 GPUs have no bf16. The trainer refuses precision bf16 when FEDTUNE_NO_BF16=1 (use fp16, which
 # trains with loss scaling, or fp32) instead of failing or silently emulating it.

@@ -1,9 +1,10 @@
 # Karolina (IT4I). Sourced by `scripts/launch --cluster karolina` in every training task.
 # Each setting keeps a value already exported (e.g. in ~/.bashrc or before running Snakemake).
 
-# Modules to load, space separated; empty with a venv or container that brings its own CUDA/NCCL
-# (the PyTorch wheels do). Example: export FEDTUNE_MODULES="Python/3.11.3-GCCcore-12.3.0 CUDA/12.1.1"
-if [[ -n ${FEDTUNE_MODULES:-} ]] && type module >/dev/null 2>&1; then module load $FEDTUNE_MODULES; fi
+# Modules (FEDTUNE_MODULES, loaded by _common.sh; none is needed with the venv's PyPI wheels, which bring
+# their own CUDA and NCCL). No published module line for Karolina's GPU nodes was found (the xFFL project
+# runs there in Apptainer with none); an EasyBuild-style example, not verified:
+#   export FEDTUNE_MODULES="Python/3.11.3-GCCcore-12.3.0 CUDA/12.1.1"
 
 # Project scratch: /scratch/project/<project id, lower case>; the id is the Slurm account.
 # The same account as the profile's (FEDTUNE_KAROLINA_ACCOUNT, else FEDTUNE_ACCOUNT; the jobs inherit

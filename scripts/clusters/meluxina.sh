@@ -1,9 +1,10 @@
 # MeluXina (LuxProvide). Sourced by `scripts/launch --cluster meluxina` in every training task.
 # Each setting keeps a value already exported (e.g. in ~/.bashrc or before running Snakemake).
 
-# Modules to load, space separated; empty with a venv or container that brings its own CUDA/NCCL
-# (the PyTorch wheels do). Example: export FEDTUNE_MODULES="env/release/2023.1 Python CUDA"
-if [[ -n ${FEDTUNE_MODULES:-} ]] && type module >/dev/null 2>&1; then module load $FEDTUNE_MODULES; fi
+# Modules (FEDTUNE_MODULES, loaded by _common.sh; none is needed with the venv's PyPI wheels, which bring
+# their own CUDA and NCCL). These load on the GPU nodes in published multi-node runs (alpha-unito/xffl,
+# xffl/workflow/scripts/facilities/meluxina.sh, read 2026-11-27):
+#   export FEDTUNE_MODULES="Python/3.11.10-GCCcore-13.3.0"
 
 # Project scratch: /project/scratch/<account> (accounts are pNNNNNN).
 # The same account as the profile's (FEDTUNE_MELUXINA_ACCOUNT, else FEDTUNE_ACCOUNT; the jobs inherit

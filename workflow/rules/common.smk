@@ -1,6 +1,7 @@
 # The config as objects (fedtune.core.config, where every rule of the config lives), the results layout and
 # the input functions every rule file uses.
 import dataclasses
+import functools
 import json
 import os
 import shlex
@@ -60,6 +61,36 @@ def aggregates_here():
 
 LOCAL_SITES = [site for site in SITES if trains_here(site)]
 REMOTE_SITES = [site for site in SITES if not trains_here(site)]
+
+
+def scratch_lines():
+    """Where the run folder is, said at start when it is on the cluster's scratch (scratch_results, from the
+    cluster profile): the scratch's purge rule and the command that copies the final results (the report
+    and last round's models where they meet; this cluster's site models elsewhere) to work or project
+    space."""
+    scratch = RUN.scratch_results
+    if not scratch or not RUN_DIR.resolve().is_relative_to(Path(scratch).resolve()):
+        return []
+    last = f"round-{RUN.rounds}"
+    if RUN.smoke:
+        kept = [f"{last}/{site}/model" for site in LOCAL_SITES]
+    elif HERE is None or HERE == AGGREGATE_ON:
+        kept = ["report", f"{last}/aggregate/model", f"{last}/eval"]
+    else:
+        kept = [f"{last}/{site}/model" for site in LOCAL_SITES]
+    keep = RUN.scratch_keep or "<work or project space>"
+    sources = " ".join(shlex.quote(f"{RUN_DIR}/./{path}") for path in kept)
+    return [
+        f"fedtune: the run folder {RUN_DIR} is on {HERE or 'this cluster'}'s scratch"
+        + (f", where {RUN.scratch_purge}" if RUN.scratch_purge else "")
+        + ". Copy the final results off it: "
+        f"mkdir -p {keep}/{RUN.run} && rsync -a --relative {sources} {keep}/{RUN.run}/"
+    ]
+
+
+if not workflow.remote_exec:
+    for line in scratch_lines():
+        print(line, file=sys.stderr)
 
 
 def one_of(names):
@@ -340,6 +371,46 @@ def pooled_eval(site):
     return run_path("pooled", "eval", f"{site}.json")
 
 
+# Evaluation jobs: host memory from the model's size (fedtune.aggregate.adapter_size.evaluation_mem_mb:
+# weights in the evaluation dtype x 1.25 + 4 GB), read from the config.json this machine has (the
+# downloaded base, model.architecture, a local or GGUF model, the Hugging Face cache). Snakemake evaluates
+# the resources of a job again once its inputs exist, so a hub model's jobs are sized from its download
+# even where the dry run before it could not know (it then shows EVAL_MEM_MB_UNKNOWN).
+EVAL_MEM_MB_UNKNOWN = 16000
+
+
+@functools.cache
+def _evaluation_mem_mb(downloaded):
+    """evaluation_mem_mb for one state of the downloaded base (its config.json's mtime, or None before the
+    download): read once per state, not once per job."""
+    from fedtune.aggregate.adapter_size import (
+        AdapterSizeError,
+        evaluation_mem_mb,
+        known_model_config,
+        weights_mem_mb,
+    )
+
+    dtype = RUN.evaluate.dtype or RUN.model.dtype
+    try:
+        model_config, _ = known_model_config(RUN, base_model_dir())
+    except ImportError:  # a GGUF model without the gguf extra: its download says so
+        model_config = None
+    if model_config is not None:
+        try:
+            return evaluation_mem_mb(model_config, dtype)
+        # A layout the formula does not know: the size of the downloaded files, if here.
+        except AdapterSizeError:
+            pass
+    return weights_mem_mb(base_model_dir(), dtype, model_config) or EVAL_MEM_MB_UNKNOWN
+
+
+def evaluation_mem_mb(wildcards=None):
+    downloaded = Path(base_model_dir(), "config.json")
+    return _evaluation_mem_mb(
+        downloaded.stat().st_mtime_ns if downloaded.is_file() else None
+    )
+
+
 # Downstream tasks (evaluate.tasks, lm-eval): fetched once into the run folder, scored on the base model
 # and the last round's site models and aggregate, one CSV per model.
 DOWNSTREAM = RUN.downstream
@@ -554,6 +625,9 @@ def get_final_output(wildcards=None):
     """
     if wildcards is not None:  # as rule all's input function, while the DAG is built
         announce_jobs_per_round()
+    if RUN.smoke:
+        # The smoke test (config key smoke): this cluster's training jobs, nothing after them.
+        return [site_model_dir(1, site) for site in LOCAL_SITES]
     targets = tokenized_outputs() + sent_targets()
     if aggregates_here():
         targets.append(run_path("report", f"{REPORT_METRIC}.csv"))
@@ -580,8 +654,9 @@ CLUSTER_ENV = Path(workflow.basedir) / "scripts" / "clusters" / f"{HERE}.sh"
 if HERE is not None and CLUSTER_ENV.is_file():
     shell.prefix(f"set +u; source {shlex.quote(str(CLUSTER_ENV))}; set -u; ")
 
-# The conda environment's torch build per cluster (envs/README.md): Iris's V100s need the CUDA 12.6 build.
-if HERE == "iris":
+# The conda environment's torch build per cluster (envs/README.md): the CUDA 12.6 build on the GPU clusters
+# (Iris's V100s need its sm_70 kernels; on the A100 sites it runs on any driver >= 525.60.13).
+if HERE in ("iris", "leonardo", "karolina", "meluxina"):
     CONDA_ENV = "../../envs/fedtune-cu126.yaml"
 
 

@@ -40,7 +40,8 @@ rule evaluate_base:
         CONTAINER
     threads: 2
     resources:
-        mem_mb=16000,
+        # From the model's size (common.smk).
+        mem_mb=evaluation_mem_mb,
         runtime=60,
     params:
         sites=eval_sites,
@@ -117,7 +118,8 @@ rule evaluate_tasks_base:
         CONTAINER
     threads: 2
     resources:
-        mem_mb=16000,
+        # From the model's size (common.smk).
+        mem_mb=evaluation_mem_mb,
         runtime=60,
     params:
         batch_size=RUN.evaluate.batch_size,

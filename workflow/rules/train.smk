@@ -40,6 +40,8 @@ rule train:
         gres=lambda wc: train_job_options(wc).gres,
         mem_mb=lambda wc: train_job_options(wc).mem_mb,
         runtime=lambda wc: train_job_options(wc).runtime,
+        # --exclusive for a GPU job over several nodes (TrainOptions.slurm_extra).
+        slurm_extra=lambda wc: train_job_options(wc).slurm_extra,
         # The job's shell then runs in the allocation itself, and scripts/launch's srun starts the tasks.
         mpi=lambda wc: "srun" if train_job_options(wc).job_launcher != "local" else None,
     params:
