@@ -88,8 +88,9 @@ def figures(config: dict, cluster: str) -> dict:
     scratch = model  # the base
     scratch += rounds * (len(sites) if aggregates_here else len(here)) * model  # site models
     scratch += (rounds if aggregates_here else rounds - 1) * model  # aggregates made / received
-    if aggregates_here:
-        scratch += rounds * 4 * params  # fedavgm's momentum, fp32 (aggregate.server_optimizer's default)
+    server = config.get("aggregate", {}).get("server_optimizer", {}).get("name", "fedavgm")  # the default
+    if aggregates_here and server != "sgd":
+        scratch += rounds * 4 * params  # fedavgm's momentum, fp32; plain sgd keeps no state
     scratch += len(here) * keep * 12 * params  # checkpoints: fp32 weights and AdamW's two moments
     return {"here": here, "rounds": rounds, "gpu_hours": gpu_hours, "scratch_gb": scratch / 1e9}
 
@@ -143,11 +144,14 @@ def test_leonardo_dry_run_of_the_llama2_example_ends_with_its_summary(llama2):
     assert jobs["tokenize"].resources["slurm_partition"] == "lrd_all_serial", jobs["tokenize"]
 
 
-def test_karolina_dry_run_counts_its_tokenize_groups_once_and_fetches_in_the_controller(llama2):
-    """Two rounds on Karolina: 16 group jobs of 8 tokenize jobs each (profiles/karolina), one training per
+def test_karolina_dry_run_counts_its_tokenize_groups_once_and_fetches_in_the_controller(llama2, monkeypatch):
+    """Two rounds on Karolina: 16 group jobs of 8 tokenize jobs each (profiles/karolina with qcpu), one training per
     round, and the aggregate of round 1 received by a job in the controller (fetch_aggregate, which the
     workflow has to mark local again: Snakemake's `use rule ... with:` drops localrule)."""
     workdir, config = llama2(rounds=2)
+    # A project with CPU node-hours tokenizes on qcpu, eight jobs to a node job (the default, a qgpu
+    # eighth per job, has no groups to count).
+    monkeypatch.setenv("FEDTUNE_KAROLINA_CPU_PARTITION", "qcpu")
     result = snakemake(workdir, "-n", "--quiet", "rules", profile="karolina", timeout=300)
     expect = figures(config, "karolina")
     karolina = summary(result.stderr)["karolina"]

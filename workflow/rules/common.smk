@@ -381,8 +381,8 @@ EVAL_MEM_MB_UNKNOWN = 16000
 
 @functools.cache
 def _evaluation_mem_mb(downloaded):
-    """evaluation_mem_mb for one state of the downloaded base (its config.json's mtime, or None before the
-    download): read once per state, not once per job."""
+    """evaluation_mem_mb for one state of the downloaded base (the mtime of its model config file, or
+    None before the download): read once per state, not once per job."""
     from fedtune.aggregate.adapter_size import (
         AdapterSizeError,
         evaluation_mem_mb,
