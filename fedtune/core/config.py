@@ -711,7 +711,8 @@ def data_read_on(config: Mapping) -> dict[str, tuple[str, ...]]:
     aggregate_on = config["federation"]["aggregate_on"] or next(iter(sites.values()))["cluster"]
     tokenizer = clusters if config["model"]["source"] == "init" else []
     return {
-        name: tuple(dict.fromkeys([site["cluster"], aggregate_on, *tokenizer])) for name, site in sites.items()
+        name: tuple(dict.fromkeys([site["cluster"], aggregate_on, *tokenizer]))
+        for name, site in sites.items()
     }
 
 

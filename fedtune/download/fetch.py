@@ -102,12 +102,18 @@ def _open(options: DatasetOptions, streaming: bool):
                     )
         files = {split: list(paths) for split, paths in options.data_files.items()}
         loaded = load_dataset(options.loader, data_files=files, streaming=streaming)
-        return loaded, {"train": "train", "test": "test" if "test" in files else None}, ", ".join(files["train"])
+        return (
+            loaded,
+            {"train": "train", "test": "test" if "test" in files else None},
+            ", ".join(files["train"]),
+        )
     # datasets caches a local folder's configs by folder name and config name alone, so edited files
     # would load as the old rows: a local folder is always read afresh (it costs one local read; a stream
     # has no cache).
     fresh = {"download_mode": "force_redownload"} if Path(options.name).is_dir() and not streaming else {}
-    loaded = load_dataset(options.name, options.config, revision=options.revision, streaming=streaming, **fresh)
+    loaded = load_dataset(
+        options.name, options.config, revision=options.revision, streaming=streaming, **fresh
+    )
     names = options.splits
     for split in (names["train"], names["test"]):
         if split is not None and split not in loaded:
@@ -139,8 +145,16 @@ def _dataset(tables: list, features):
 
 
 def _first_rows(stream, count: int):
-    """The first `count` documents of a streamed split: what select(range(count)) keeps of the whole."""
-    return _dataset(list(_batches(stream.take(count))), stream.features)
+    """The first `count` documents of a streamed split: what select(range(count)) keeps of the whole.
+    Not stream.take(count): its Arrow path asks the file for one more block after the last it needs
+    (datasets 5.2), which for json lines is another 10 MB read and parsed."""
+    tables, rows = [], 0
+    for table in _batches(stream):
+        tables.append(table.slice(0, count - rows))
+        rows += len(tables[-1])
+        if rows == count:
+            break
+    return _dataset(tables, stream.features)
 
 
 def _carve_streamed(stream, options: DatasetOptions, keep: tuple[str, ...]) -> dict:

@@ -17,7 +17,8 @@ def download_flags(wildcards):
     stage reads them, and --splits, what this cluster reads of the site's text. Where the site trains
     (or, with model.source init, a tokenizer is built from it): train and test; elsewhere only the test
     split that evaluation reads. A site whose text stays home (dataset.shareable false) is never
-    downloaded on another cluster (build_run_config refuses every setting that would need it)."""
+    downloaded on another cluster (build_run_config refuses every setting that would need it).
+    """
     site = wildcards.site
     if HERE not in (None, site_cluster(site)) and not RUN.sites[site].dataset.shareable:
         raise WorkflowError(
