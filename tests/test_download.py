@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -347,3 +349,20 @@ def test_a_cluster_that_only_evaluates_a_site_reads_its_test_split_only(tmp_path
     )
     saved = load_from_disk(str(tmp_path / "raw"))
     assert list(saved) == ["test"] and saved["test"]["text"] == [f"test document {i}" for i in range(5)]
+
+
+def test_a_streamed_data_download_does_not_load_torch(files, tmp_path):
+    """datasets would make the stream a torch IterableDataset, importing torch (200 MB, seconds) into the
+    download job, which never uses it: the data command turns that off."""
+    spec = {"source": "local", "data_files": {"train": str(files[0])}, "max_documents": 3}
+    script = (
+        "import sys\nfrom fedtune.download.fetch import main\n"
+        f"assert main(['data', '--options', {json.dumps(spec)!r}, '--out', {str(tmp_path / 'raw')!r}]) == 0\n"
+        "print('torch' in sys.modules)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "USE_TORCH"}
+    env["HF_DATASETS_CACHE"] = str(tmp_path / "cache")
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip().splitlines()[-1] == "False", result.stderr[-2000:]

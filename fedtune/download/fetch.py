@@ -21,6 +21,7 @@ Hub tokens come from the environment (HF_TOKEN), never from the config or the co
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -356,6 +357,10 @@ def main(argv=None) -> int:
     )
     cli.add_out(tasks, "the tasks folder")
     args = parser.parse_args(argv)
+    if args.what == "data":
+        # datasets makes every streamed data set a torch IterableDataset where torch is installed, which
+        # imports torch (200 MB and seconds) into a job that never uses it; read before datasets loads.
+        os.environ.setdefault("USE_TORCH", "0")
     from fedtune.core import progress
 
     progress.quiet_library_bars()
