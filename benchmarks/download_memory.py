@@ -5,7 +5,7 @@ documents, against the stage as it was (the data set read whole, then cut).
     .venv/bin/python benchmarks/download_memory.py                 # 10k, 100k and 1M rows, 5,000 kept
     .venv/bin/python benchmarks/download_memory.py --rows 10000 100000 --keep 2000
 
-Each data set is a json lines file of `rows` documents of about 200 bytes (train) and one of a tenth of
+Each data set is a json lines file of `rows` documents of about 170 bytes (train) and one of a tenth of
 that (test); a second layout gives train only, so that the test split is carved (dataset.test_fraction).
 Each measured command runs under a small Python parent that reports its child's peak resident set size
 (getrusage RUSAGE_CHILDREN ru_maxrss) and wall time, with a fresh datasets cache. Goal (issue 38): the

@@ -61,11 +61,14 @@ def load_splits(options: DatasetOptions, num_labels: int | None = None, keep: tu
 
     With dataset.max_documents the data set is streamed and only the documents kept are read, the same
     documents in the same order as reading it whole and cutting it; without, it is read whole (all of it
-    is kept)."""
+    is kept), and so is a hub data set whose test split is carved from train."""
     from datasets import DatasetDict
 
     keep = tuple(split for split in SPLITS if split in keep)
-    streamed = options.max_documents is not None
+    # A test split carved from a hub data set's train split is drawn from all of it, which must then be
+    # downloaded anyway: once, into datasets' cache, rather than streamed through twice.
+    carved_from_hub = options.source == "hf" and options.splits["test"] is None
+    streamed = options.max_documents is not None and not carved_from_hub
     loaded, names, label = _open(options, streamed)
     if names["test"] is None:
         carve = _carve_streamed if streamed else _carve_whole
