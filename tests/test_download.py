@@ -366,3 +366,37 @@ def test_a_streamed_data_download_does_not_load_torch(files, tmp_path):
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
     )
     assert result.stdout.strip().splitlines()[-1] == "False", result.stderr[-2000:]
+
+
+def test_a_streamed_hub_data_set_keeps_its_declared_features(tmp_path, monkeypatch):
+    """A hub data set's card declares its features (a ClassLabel here): the streamed cut keeps them, and
+    the documents, as reading it whole does (a local folder stands in for the hub, as above)."""
+    import dataclasses
+
+    from fedtune.download.fetch import load_splits
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "reviews"
+    (folder / "data").mkdir(parents=True)
+    (folder / "README.md").write_text(
+        "---\nconfigs:\n- config_name: tiny\n  data_files:\n  - split: train\n    path: data/train.jsonl\n"
+        "  - split: validation\n    path: data/valid.jsonl\ndataset_info:\n  config_name: tiny\n  features:\n"
+        "  - name: text\n    dtype: string\n  - name: label\n    dtype:\n      class_label:\n        names:\n"
+        "          '0': neg\n          '1': pos\n---\n"
+    )
+    for split, count in (("train", 3000), ("valid", 500)):
+        rows = [json.dumps({"text": f"{split} {i}", "label": i % 2}) + "\n" for i in range(count)]
+        (folder / "data" / f"{split}.jsonl").write_text("".join(rows))
+    spec = {
+        "source": "hf",
+        "name": str(folder),
+        "config": "tiny",
+        "splits": {"train": "train", "test": "validation"},
+    }
+    options = DatasetOptions.from_mapping({**spec, "max_documents": 300})
+    streamed = load_splits(options)
+    whole = load_splits(dataclasses.replace(options, max_documents=None))
+    for split in ("train", "test"):
+        assert streamed[split].features["label"].names == ["neg", "pos"]
+        assert streamed[split].features == whole[split].features
+        assert streamed[split].to_list() == whole[split].select(range(300)).to_list()
