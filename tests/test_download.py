@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -236,3 +238,165 @@ def test_a_local_dataset_folder_is_read_afresh_after_its_files_change(tmp_path, 
             (folder / "data" / f"{split}.jsonl").write_text(f'{{"text": "{version} {split}"}}\n')
         download_data(DatasetOptions.from_mapping(spec), tmp_path / version)
         assert load_from_disk(str(tmp_path / version))["train"]["text"] == [f"{version} train"]
+
+
+def write_formats(folder: Path, rows: int) -> dict[str, Path]:
+    """The same documents (text, an int label, a float with gaps) as json lines, text, csv and parquet."""
+    import pandas as pd
+
+    folder.mkdir(parents=True, exist_ok=True)
+    table = pd.DataFrame(
+        {
+            "text": [f"document {i} " + "word " * (i % 7) for i in range(rows)],
+            "label": [i % 3 for i in range(rows)],
+            "score": [None if i % 5 == 0 else i / 2 for i in range(rows)],
+        }
+    )
+    paths = {
+        f: folder / f"docs.{s}"
+        for f, s in [("json", "jsonl"), ("text", "txt"), ("csv", "csv"), ("parquet", "parquet")]
+    }
+    table.to_json(paths["json"], orient="records", lines=True)
+    paths["text"].write_text("".join(t + "\n" for t in table["text"]))
+    table.to_csv(paths["csv"], index=False)
+    table.to_parquet(paths["parquet"], row_group_size=700)
+    return paths
+
+
+def whole_then_cut(options: DatasetOptions):
+    """What the download kept before it streamed: the data set read whole, carved, then each split cut to
+    its first max_documents."""
+    import dataclasses
+
+    from fedtune.download.fetch import load_splits
+
+    whole = load_splits(dataclasses.replace(options, max_documents=None))
+    return {split: data.select(range(min(len(data), options.max_documents))) for split, data in whole.items()}
+
+
+@pytest.mark.parametrize("fmt", ["json", "text", "csv", "parquet"])
+def test_a_streamed_cut_keeps_the_same_documents_in_the_same_order(fmt, tmp_path, monkeypatch):
+    """max_documents streams the data set; the documents kept, their order, their columns and the carved
+    test split are those of reading it whole (two files of 3,000 rows, Arrow batches of 1,000)."""
+    from fedtune.download.fetch import load_splits
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    path = str(write_formats(tmp_path / "src", 3000)[fmt])
+    other = str(write_formats(tmp_path / "other", 3000)[fmt])
+    cases = [
+        ({"train": [path, other], "test": path}, 1234, 0.05),  # given test files
+        ({"train": path}, 40, 0.05),  # carved, cut to a few
+        ({"train": [path, other]}, 2500, 0.3),  # carved, the test split cut too
+        ({"train": path}, 5000, 0.2),  # more than there is
+    ]
+    for files, count, fraction in cases:
+        spec = {
+            "source": "local",
+            "data_files": files,
+            "max_documents": count,
+            "test_fraction": fraction,
+            "seed": 7,
+        }
+        options = DatasetOptions.from_mapping(spec)
+        expected = whole_then_cut(options)
+        for keep in [("train", "test"), ("test",)]:
+            streamed = load_splits(options, keep=keep)
+            assert list(streamed) == list(keep)
+            for split in keep:
+                assert streamed[split].features == expected[split].features, (spec, split)
+                assert streamed[split].to_list() == expected[split].to_list(), (spec, split)
+
+
+def test_the_download_reads_only_the_documents_it_keeps(tmp_path, monkeypatch):
+    """2,000 documents kept of a 12 MB file whose last line is broken: the streamed download reads its
+    first block and stops, never reaching the broken line (reading the file whole fails on it), and
+    leaves no Arrow copy of the whole file in the datasets cache."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(cache))
+    source = tmp_path / "big.jsonl"
+    line = json.dumps({"text": "filler " * 60}) + "\n"
+    with source.open("w") as f:
+        f.writelines(json.dumps({"text": f"kept {i}"}) + "\n" for i in range(2000))
+        f.writelines([line] * (12_000_000 // len(line)))
+        f.write('{"text": "broken\n')
+    spec = {
+        "source": "local",
+        "data_files": {"train": str(source), "test": str(source)},
+        "max_documents": 2000,
+    }
+    assert download_data(DatasetOptions.from_mapping(spec), tmp_path / "raw") == {"train": 2000, "test": 2000}
+    assert load_from_disk(str(tmp_path / "raw"))["train"]["text"] == [f"kept {i}" for i in range(2000)]
+    assert sum(p.stat().st_size for p in cache.rglob("*") if p.is_file()) < 1_000_000
+    from datasets.exceptions import DatasetGenerationError
+
+    with pytest.raises(DatasetGenerationError):
+        download_data(DatasetOptions.from_mapping({**spec, "max_documents": None}), tmp_path / "whole")
+
+
+def test_a_cluster_that_only_evaluates_a_site_reads_its_test_split_only(tmp_path, monkeypatch):
+    """--splits test (the aggregating cluster, for another cluster's site): the train split is not read at
+    all (here it is unreadable), and the saved folder holds the test split alone."""
+    from fedtune.download.fetch import main
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "hub-like"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text('{"text": "unreadable\n')
+    write_jsonl(folder / "test.jsonl", [f"test document {i}" for i in range(7)])
+    spec = {"source": "hf", "name": str(folder), "max_documents": 5}
+    assert (
+        main(["data", "--options", json.dumps(spec), "--splits", "test", "--out", str(tmp_path / "raw")]) == 0
+    )
+    saved = load_from_disk(str(tmp_path / "raw"))
+    assert list(saved) == ["test"] and saved["test"]["text"] == [f"test document {i}" for i in range(5)]
+
+
+def test_a_streamed_data_download_does_not_load_torch(files, tmp_path):
+    """datasets would make the stream a torch IterableDataset, importing torch (200 MB, seconds) into the
+    download job, which never uses it: the data command turns that off."""
+    spec = {"source": "local", "data_files": {"train": str(files[0])}, "max_documents": 3}
+    script = (
+        "import sys\nfrom fedtune.download.fetch import main\n"
+        f"assert main(['data', '--options', {json.dumps(spec)!r}, '--out', {str(tmp_path / 'raw')!r}]) == 0\n"
+        "print('torch' in sys.modules)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "USE_TORCH"}
+    env["HF_DATASETS_CACHE"] = str(tmp_path / "cache")
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip().splitlines()[-1] == "False", result.stderr[-2000:]
+
+
+def test_a_streamed_hub_data_set_keeps_its_declared_features(tmp_path, monkeypatch):
+    """A hub data set's card declares its features (a ClassLabel here): the streamed cut keeps them, and
+    the documents, as reading it whole does (a local folder stands in for the hub, as above)."""
+    import dataclasses
+
+    from fedtune.download.fetch import load_splits
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "reviews"
+    (folder / "data").mkdir(parents=True)
+    (folder / "README.md").write_text(
+        "---\nconfigs:\n- config_name: tiny\n  data_files:\n  - split: train\n    path: data/train.jsonl\n"
+        "  - split: validation\n    path: data/valid.jsonl\ndataset_info:\n  config_name: tiny\n  features:\n"
+        "  - name: text\n    dtype: string\n  - name: label\n    dtype:\n      class_label:\n        names:\n"
+        "          '0': neg\n          '1': pos\n---\n"
+    )
+    for split, count in (("train", 3000), ("valid", 500)):
+        rows = [json.dumps({"text": f"{split} {i}", "label": i % 2}) + "\n" for i in range(count)]
+        (folder / "data" / f"{split}.jsonl").write_text("".join(rows))
+    spec = {
+        "source": "hf",
+        "name": str(folder),
+        "config": "tiny",
+        "splits": {"train": "train", "test": "validation"},
+    }
+    options = DatasetOptions.from_mapping({**spec, "max_documents": 300})
+    streamed = load_splits(options)
+    whole = load_splits(dataclasses.replace(options, max_documents=None))
+    for split in ("train", "test"):
+        assert streamed[split].features["label"].names == ["neg", "pos"]
+        assert streamed[split].features == whole[split].features
+        assert streamed[split].to_list() == whole[split].select(range(300)).to_list()

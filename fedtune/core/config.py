@@ -652,6 +652,7 @@ class DatasetOptions(_Options):
     label_field: str
     max_documents: int | None
     seed: int
+    shareable: bool
 
     @classmethod
     def from_valid(cls, values: Mapping) -> DatasetOptions:
@@ -664,8 +665,14 @@ class DatasetOptions(_Options):
                 "data_files": None
                 if files is None
                 else freeze({split: _as_list(paths) for split, paths in files.items()}),
+                "shareable": shareable_default(values),
             }
         )
+
+    def download_json(self) -> str:
+        """The JSON form without `shareable`, which says where the text may go, not what is read: the
+        download's --options, so that setting it reruns no download."""
+        return json.dumps({k: v for k, v in thaw(self).items() if k != "shareable"}, separators=(",", ":"))
 
     def check(self, where: str, *, base_dir: Path | None = None) -> None:
         """Local data files have one format and exist (relative to base_dir); `where` prefixes the key
@@ -691,6 +698,78 @@ class DatasetOptions(_Options):
             return self.format
         formats = {FILE_FORMATS.get(Path(f).suffix) for files in self.data_files.values() for f in files}
         return formats.pop() if len(formats) == 1 else None
+
+
+def shareable_default(dataset: Mapping) -> bool:
+    """dataset.shareable as set, else its default: a hub data set is public text (true), local files may be
+    anyone's private text (false)."""
+    shareable = dataset.get("shareable")
+    return dataset["source"] == "hf" if shareable is None else bool(shareable)
+
+
+def data_read_on(config: Mapping) -> dict[str, tuple[str, ...]]:
+    """The clusters where each site's text is read, its own cluster first, from a validated config (defaults
+    filled in; the run's settings.json is one): its own (download, tokenize, train); federation.aggregate_on's,
+    whose evaluation jobs read every site's test text; with model.source init every cluster, each of which
+    trains the base model's tokenizer on every site's training text."""
+    sites = config["sites"]
+    clusters = sorted({site["cluster"] for site in sites.values()})
+    aggregate_on = config["federation"]["aggregate_on"] or next(iter(sites.values()))["cluster"]
+    tokenizer = clusters if config["model"]["source"] == "init" else []
+    return {
+        name: tuple(dict.fromkeys([site["cluster"], aggregate_on, *tokenizer]))
+        for name, site in sites.items()
+    }
+
+
+def data_lines(config: Mapping) -> list[str]:
+    """One line per site for the report: "site cs: data read only on karolina"."""
+    lines = []
+    for site, clusters in data_read_on(config).items():
+        where = f"only on {clusters[0]}" if len(clusters) == 1 else f"on {', '.join(clusters)}"
+        lines.append(f"site {site}: data read {where}")
+    return lines
+
+
+def _check_data_stays(config: Mapping, sites: Mapping[str, Site], source: str) -> None:
+    """A site whose text may not leave it (dataset.shareable false) is read only on its own cluster and
+    never pooled: refuse, before any job runs, each setting that would move it."""
+    private = {name: site.cluster for name, site in sites.items() if not site.dataset.shareable}
+    if not private:
+        return
+    name = next(iter(private))
+    key = f"sites.{name}.dataset.shareable"
+    if config["federation"]["pooled_baseline"]:
+        raise ConfigError(
+            f"{source}: federation.pooled_baseline: trains one model on every site's text, but site {name}'s "
+            f"text may not leave it ({key}: false); set federation.pooled_baseline: false, or {key}: true "
+            "if its text may be pooled"
+        )
+    read_on = data_read_on(config)
+    for name, cluster in private.items():
+        key = f"sites.{name}.dataset.shareable"
+        elsewhere = [c for c in read_on[name] if c != cluster]
+        if not elsewhere:
+            continue
+        if config["model"]["source"] == "init":
+            raise ConfigError(
+                f"{source}: {key}: false, but model.source init trains the tokenizer on every site's text on "
+                f"every cluster, so site {name}'s text would be read on {', '.join(elsewhere)} too; start from "
+                f"a trained model (model.source hf, local or gguf), or set {key}: true"
+            )
+        aggregate_on = elsewhere[0]
+        clusters = sorted(set(private.values()))
+        fix = (
+            f"set federation.aggregate_on: {cluster}"
+            if len(clusters) == 1
+            else f"keep the sites whose text stays home on one cluster (now {', '.join(clusters)})"
+        )
+        raise ConfigError(
+            f"{source}: {key}: false, but site {name} trains on {cluster} and every model is evaluated on "
+            f"{aggregate_on} (federation.aggregate_on), which reads every site's test text there; {fix}, or "
+            f"set {key}: true if its text may be read on {aggregate_on} (evaluation where the data lives is "
+            "planned: issue 38)"
+        )
 
 
 @dataclass(frozen=True)
@@ -1077,6 +1156,11 @@ class RunConfig:
     def classification(self) -> bool:
         return self.task == CLASSIFICATION
 
+    @property
+    def data_read_on(self) -> dict[str, tuple[str, ...]]:
+        """The clusters where each site's text is read, its own first (`data_read_on`)."""
+        return data_read_on(self.raw)
+
 
 def sweep_label(axis: str, value) -> str:
     """A folder name for one value: `devices-4`, `precision-fp16`, `gradient_checkpointing-true`."""
@@ -1254,6 +1338,8 @@ def build_run_config(config: dict, *, source: str = "config", base_dir: Path | N
         prefix = f"sites.{name}.dataset"
         dataset = DatasetOptions.from_mapping(site["dataset"], source=source, prefix=prefix)
         dataset.check(f"{source}: {prefix}.", base_dir=base_dir)
+        # The default decided, so that the run's settings.json says it.
+        site["dataset"]["shareable"] = dataset.shareable
         sites[name] = Site(
             name=name,
             cluster=site["cluster"],
@@ -1288,6 +1374,7 @@ def build_run_config(config: dict, *, source: str = "config", base_dir: Path | N
                 )
     aggregate = _aggregate_options(config, model, sites, source)
     evaluate = EvaluateOptions.from_mapping(config["evaluate"], source=source)
+    _check_data_stays(config, sites, source)
     pooled = None
     if federation["pooled_baseline"]:
         clusters = sorted({site.cluster for site in sites.values()})

@@ -20,6 +20,8 @@ Hub tokens come from the environment (HF_TOKEN), never from the config or the co
 
 from __future__ import annotations
 
+import math
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -47,40 +49,34 @@ class DownloadError(UserError):
     """A dataset that cannot be used: the message names the dataset, split or column."""
 
 
-def load_splits(options: DatasetOptions, num_labels: int | None = None):
-    """The site's documents as a DatasetDict with exactly the splits train and test. With `num_labels`
-    (classification), every document's label must be a class number below it."""
-    from datasets import DatasetDict, load_dataset
+# Rows per Arrow batch when a data set is streamed: small enough that a batch of long documents stays in
+# megabytes, large enough that Python's per-batch cost is negligible.
+STREAM_BATCH = 1000
 
-    if options.source == "local":
-        for split, files in options.data_files.items():
-            for file in files:
-                if Path(file).stat().st_size == 0:
-                    raise DownloadError(
-                        f"dataset.data_files.{split}: {file} is empty: the {split} split holds no documents"
-                    )
-        files = {split: list(paths) for split, paths in options.data_files.items()}
-        loaded = load_dataset(options.loader, data_files=files)
-        names = {"train": "train", "test": "test" if "test" in files else None}
-        label = ", ".join(files["train"])
-    else:
-        # datasets caches a local folder's configs by folder name and config name alone, so edited files
-        # would load as the old rows: a local folder is always read afresh (it costs one local read).
-        fresh = {"download_mode": "force_redownload"} if Path(options.name).is_dir() else {}
-        loaded = load_dataset(options.name, options.config, revision=options.revision, **fresh)
-        names = options.splits
-        label = options.name
-        for split in (names["train"], names["test"]):
-            if split is not None and split not in loaded:
-                raise DownloadError(
-                    f"{label}: dataset.splits names split {split!r}, but the dataset has {sorted(loaded)}"
-                )
-    train = loaded[names["train"]]
+
+def load_splits(options: DatasetOptions, num_labels: int | None = None, keep: tuple[str, ...] = SPLITS):
+    """The site's documents as a DatasetDict with fedtune's splits `keep` (train and test; a cluster that
+    only evaluates the site keeps test). With `num_labels` (classification), every document's label must
+    be a class number below it.
+
+    With dataset.max_documents the data set is streamed and only the documents kept are read, the same
+    documents in the same order as reading it whole and cutting it; without, it is read whole (all of it
+    is kept), and so is a hub data set whose test split is carved from train."""
+    from datasets import DatasetDict
+
+    keep = tuple(split for split in SPLITS if split in keep)
+    # A test split carved from a hub data set's train split is drawn from all of it, which must then be
+    # downloaded anyway: once, into datasets' cache, rather than streamed through twice.
+    carved_from_hub = options.source == "hf" and options.splits["test"] is None
+    streamed = options.max_documents is not None and not carved_from_hub
+    loaded, names, label = _open(options, streamed)
     if names["test"] is None:
-        carved = train.train_test_split(test_size=options.test_fraction, seed=options.seed, shuffle=True)
-        splits = {"train": carved["train"], "test": carved["test"]}
+        carve = _carve_streamed if streamed else _carve_whole
+        splits = carve(loaded[names["train"]], options, keep)
     else:
-        splits = {"train": train, "test": loaded[names["test"]]}
+        splits = {split: loaded[names[split]] for split in keep}
+        if streamed:
+            splits = {split: _first_rows(data, options.max_documents) for split, data in splits.items()}
     for split, data in splits.items():
         if options.text_field not in data.column_names:
             raise DownloadError(
@@ -96,6 +92,112 @@ def load_splits(options: DatasetOptions, num_labels: int | None = None):
     return DatasetDict(splits)
 
 
+def _open(options: DatasetOptions, streaming: bool):
+    """The source's splits (streamed or loaded whole), which of them are fedtune's train and test (test
+    None: carved from train), and the source's name for messages."""
+    from datasets import load_dataset
+
+    if options.source == "local":
+        for split, files in options.data_files.items():
+            for file in files:
+                if Path(file).stat().st_size == 0:
+                    raise DownloadError(
+                        f"dataset.data_files.{split}: {file} is empty: the {split} split holds no documents"
+                    )
+        files = {split: list(paths) for split, paths in options.data_files.items()}
+        loaded = load_dataset(options.loader, data_files=files, streaming=streaming)
+        return (
+            loaded,
+            {"train": "train", "test": "test" if "test" in files else None},
+            ", ".join(files["train"]),
+        )
+    # datasets caches a local folder's configs by folder name and config name alone, so edited files
+    # would load as the old rows: a local folder is always read afresh (it costs one local read; a stream
+    # has no cache).
+    fresh = {"download_mode": "force_redownload"} if Path(options.name).is_dir() and not streaming else {}
+    loaded = load_dataset(
+        options.name, options.config, revision=options.revision, streaming=streaming, **fresh
+    )
+    names = options.splits
+    for split in (names["train"], names["test"]):
+        if split is not None and split not in loaded:
+            raise DownloadError(
+                f"{options.name}: dataset.splits names split {split!r}, but the dataset has {sorted(loaded)}"
+            )
+    return loaded, names, options.name
+
+
+def _carve_whole(train, options: DatasetOptions, keep: tuple[str, ...]) -> dict:
+    carved = train.train_test_split(test_size=options.test_fraction, seed=options.seed, shuffle=True)
+    return {split: carved[split] for split in keep}
+
+
+def _batches(stream):
+    """A streamed split as Arrow tables of STREAM_BATCH rows."""
+    return stream.with_format("arrow").iter(batch_size=STREAM_BATCH)
+
+
+def _dataset(tables: list, features):
+    """An in-memory Dataset of Arrow tables with the stream's features (empty: no rows, those columns)."""
+    import pyarrow as pa
+    from datasets import Dataset, Features
+
+    if not tables:
+        return Dataset.from_dict({}, features=features or Features())
+    data = Dataset(pa.concat_tables(tables))
+    return data if features is None or data.features == features else data.cast(features)
+
+
+def _first_rows(stream, count: int):
+    """The first `count` documents of a streamed split: what select(range(count)) keeps of the whole.
+    Not stream.take(count): its Arrow path asks the file for one more block after the last it needs
+    (datasets 5.2), which for json lines is another 10 MB read and parsed."""
+    tables, rows = [], 0
+    for table in _batches(stream):
+        tables.append(table.slice(0, count - rows))
+        rows += len(tables[-1])
+        if rows == count:
+            break
+    return _dataset(tables, stream.features)
+
+
+def _carve_streamed(stream, options: DatasetOptions, keep: tuple[str, ...]) -> dict:
+    """The test split carved from a streamed train split, each split cut to max_documents: the documents
+    train_test_split(test_fraction, seed) and then select(range(max_documents)) keep of the whole split.
+    The test documents are drawn from all of it, so it is read twice: once to count its documents (for
+    the permutation, 8 bytes a document), once to pick the kept ones, a batch at a time."""
+    import numpy as np
+
+    total = sum(table.num_rows for table in _batches(stream))
+    n_test = math.ceil(options.test_fraction * total)
+    if total - n_test <= 0:
+        raise DownloadError(
+            f"dataset.test_fraction {options.test_fraction}: carving a test split from {total} documents "
+            "leaves none to train on"
+        )
+    # datasets' train_test_split: one permutation of the rows, test first.
+    permutation = np.random.default_rng(options.seed).permutation(total)
+    wanted = {"test": permutation[:n_test], "train": permutation[n_test:]}
+    wanted = {split: wanted[split][: options.max_documents] for split in keep}
+    # Each split's wanted rows in file order, with the place each takes in the split.
+    order = {split: np.argsort(rows, kind="stable") for split, rows in wanted.items()}
+    ordered = {split: wanted[split][order[split]] for split in wanted}
+    picked: dict[str, list] = {split: [] for split in wanted}
+    offset = 0
+    for table in _batches(stream):
+        for split, rows in ordered.items():
+            lo, hi = np.searchsorted(rows, [offset, offset + table.num_rows])
+            if hi > lo:
+                picked[split].append(table.take(rows[lo:hi] - offset))
+        offset += table.num_rows
+    splits = {}
+    for split, tables in picked.items():
+        data = _dataset(tables, stream.features)
+        # Back from file order to the permutation's order.
+        splits[split] = data.select(np.argsort(order[split], kind="stable")) if len(data) else data
+    return splits
+
+
 def check_labels(data, field: str, num_labels: int, where: str) -> None:
     """Every value of the label column is a class number in 0..num_labels-1; else DownloadError naming it."""
     if field not in data.column_names:
@@ -107,9 +209,11 @@ def check_labels(data, field: str, num_labels: int, where: str) -> None:
         raise DownloadError(f"{where}: dataset.label_field {field!r}: {problem}")
 
 
-def download_data(options: DatasetOptions, out: str | Path, num_labels: int | None = None) -> dict:
+def download_data(
+    options: DatasetOptions, out: str | Path, num_labels: int | None = None, keep: tuple[str, ...] = SPLITS
+) -> dict:
     options.check("--options: dataset.")
-    splits = load_splits(options, num_labels)
+    splits = load_splits(options, num_labels, keep)
     with atomic_dir(out) as tmp:
         splits.save_to_disk(str(tmp))
     counts = {split: len(data) for split, data in splits.items()}
@@ -230,6 +334,13 @@ def main(argv=None) -> int:
     data = sub.add_parser("data", help="a site's train and test splits, saved with save_to_disk")
     cli.add_options(data, "the site's dataset section (DatasetOptions)")
     data.add_argument("--num-labels", type=int, default=None, help="classification: check the labels")
+    data.add_argument(
+        "--splits",
+        nargs="+",
+        choices=SPLITS,
+        default=list(SPLITS),
+        help="the splits to keep (a cluster that only evaluates the site: test)",
+    )
     cli.add_out(data, "the site's raw DatasetDict (save_to_disk)")
     model = sub.add_parser("model", help="the base model and tokenizer (a hub model: its files)")
     cli.add_options(model, "the model section (ModelOptions)")
@@ -249,13 +360,18 @@ def main(argv=None) -> int:
     )
     cli.add_out(tasks, "the tasks folder")
     args = parser.parse_args(argv)
+    if args.what == "data":
+        # datasets makes every streamed data set a torch IterableDataset where torch is installed, which
+        # imports torch (200 MB and seconds) into a job that never uses it; read before datasets loads.
+        os.environ.setdefault("USE_TORCH", "0")
     from fedtune.core import progress
 
     progress.quiet_library_bars()
     try:
         if args.what == "data":
             with progress.Heartbeat(f"download data to {args.out}"):
-                download_data(DatasetOptions.from_json(args.options), args.out, args.num_labels)
+                options = DatasetOptions.from_json(args.options)
+                download_data(options, args.out, args.num_labels, tuple(args.splits))
         elif args.what == "tasks":
             from fedtune.download.tasks import prepare
 

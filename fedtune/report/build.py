@@ -11,7 +11,9 @@ training.json and loss.csv per (round, site). Outputs, in --out:
     loss.png                 loss curves of every site, rounds one after the other
     perplexity.html          the perplexity and bits-per-byte tables as a web page (snakemake --report)
     training.html            the training table as a web page
-    settings.csv / .html     the run's settings, one row per config key (with --settings)
+    settings.csv / .html     the run's settings, one row per config key (with --settings); the page
+                             first says where each site's text was read ("site cs: data read only on
+                             karolina")
     tasks/<task>.csv / .md / .html   with --tasks: one table per downstream task (evaluate.tasks), one row
                              per model, one column per metric (fedtune.evaluate.downstream's CSVs)
 
@@ -32,7 +34,7 @@ import pandas as pd
 
 from fedtune.core import cli
 from fedtune.core.atomic import write_text
-from fedtune.core.config import CAUSAL_LM, CLASSIFICATION, UserError
+from fedtune.core.config import CAUSAL_LM, CLASSIFICATION, UserError, data_lines
 
 BASE = "base"
 AGGREGATE = "aggregate"
@@ -336,7 +338,7 @@ def html_page(title: str, sections: Sequence[tuple[str, pd.DataFrame, dict]]) ->
         best = {c: table[c].min() for c in options.get("bold_min", ()) if table[c].notna().any()}
         best.update({c: table[c].max() for c in options.get("bold_max", ()) if table[c].notna().any()})
         if heading:
-            parts.append(f"<p>{escape(heading)}</p>")
+            parts.append(f"<p>{'<br>'.join(escape(line) for line in heading.splitlines())}</p>")
         parts.append("<table><thead><tr>")
         parts += [f"<th>{escape(str(c))}</th>" for c in table.columns]
         parts.append("</tr></thead><tbody>")
@@ -596,8 +598,17 @@ def report(
         paths["settings_csv"] = out_dir / "settings.csv"
         paths["settings_html"] = out_dir / "settings.html"
         write_text(paths["settings_csv"], table.to_csv(index=False))
-        write_text(paths["settings_html"], html_page("Settings of the run", [("", table, {})]))
+        heading = "\n".join(data_read(settings))
+        write_text(paths["settings_html"], html_page("Settings of the run", [(heading, table, {})]))
     return paths
+
+
+def data_read(settings: dict) -> list[str]:
+    """Where each site's text was read, one line a site ("site cs: data read only on karolina"), from the
+    run's settings.json (the validated config; dataset.shareable). Nothing for settings of no run."""
+    if "sites" not in settings:
+        return []
+    return ["Where each site's text was read (sites.<site>.dataset.shareable):", *data_lines(settings)]
 
 
 def _settings(path: str | None) -> dict | None:
@@ -631,6 +642,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     paths = report(args.out, args.eval, training, losses, settings, args.tasks, args.task_names)
     table = next(path for key, path in paths.items() if key.endswith("_md") and key != "training_md")
     print(Path(table).read_text(encoding="utf-8"), file=sys.stderr)
+    for line in data_read(settings or {}):
+        print(line, file=sys.stderr)
     return 0
 
 

@@ -127,6 +127,25 @@ def raw_data_dir(site):
     return run_path("data", site, "raw")
 
 
+def download_flags(wildcards):
+    """The download's flags besides its options: a classifier's labels, checked here before any expensive
+    stage reads them, and --splits, what this cluster reads of the site's text. Where the site trains
+    (or, with model.source init, a tokenizer is built from it): train and test; elsewhere only the test
+    split that evaluation reads. A site whose text stays home (dataset.shareable false) is never
+    downloaded on another cluster (build_run_config refuses every setting that would need it).
+    """
+    site = wildcards.site
+    if HERE not in (None, site_cluster(site)) and not RUN.sites[site].dataset.shareable:
+        raise WorkflowError(
+            f"{raw_data_dir(site)}: site {site}'s text is read only on {site_cluster(site)}, not on "
+            f"{HERE} (sites.{site}.dataset.shareable: false)"
+        )
+    flags = [f"--num-labels {RUN.model.num_labels}"] if CLASSIFICATION else []
+    if not (trains_here(site) or RUN.model.source == "init"):
+        flags.append("--splits test")
+    return " ".join(flags)
+
+
 def tokenizer_corpora():
     """What a tokenizer built from scratch trains on: every site's templated training text."""
     return [

@@ -23,9 +23,9 @@ rule download_data:
     container:
         CONTAINER
     params:
-        options=lambda wc: RUN.sites[wc.site].dataset.to_json(),
-        # A classifier's labels are checked here, before any expensive stage reads them.
-        labels=(f"--num-labels {RUN.model.num_labels}" if CLASSIFICATION else ""),
+        options=lambda wc: RUN.sites[wc.site].dataset.download_json(),
+        # One param for both flags: a one-cluster run's shell and params stay as they were (no rerun).
+        labels=download_flags,
     shell:
         "python -m fedtune.download data --options {params.options:q} {params.labels}"
         " --out {output:q} > {log:q} 2>&1"

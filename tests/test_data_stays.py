@@ -1,0 +1,131 @@
+"""dataset.shareable: where a site's text may be read. A site whose text stays home is refused, before any
+job runs, every setting that would read it on another cluster or pool it; the aggregating cluster reads
+only the test split of another cluster's site; the report says where each site's text was read."""
+
+from __future__ import annotations
+
+import copy
+from html import unescape
+
+import pytest
+
+from fedtune.core.config import ConfigError, DatasetOptions, build_run_config, data_lines
+
+from .test_report import write_evals
+from .workflow_harness import demo_config, dry_run, snakemake, write_config
+
+
+def two_clusters(private=("beta",), aggregate_on="leo", **federation) -> dict:
+    """The demo's sites on two clusters (alpha on leo, beta on karo) from a hub model; `private` sites'
+    text stays home (dataset.shareable false)."""
+    config = demo_config()
+    config["model"] = {"source": "hf", "name": "org/model"}
+    config["sites"]["alpha"]["cluster"] = "leo"
+    config["sites"]["beta"]["cluster"] = "karo"
+    for site in config["sites"].values():
+        site["dataset"]["shareable"] = True
+    for site in private:
+        config["sites"][site]["dataset"]["shareable"] = False
+    config["federation"] = {"rounds": 1, "pooled_baseline": False, "aggregate_on": aggregate_on, **federation}
+    return config
+
+
+def test_local_files_stay_home_by_default_and_hub_data_sets_may_travel():
+    local = {"source": "local", "data_files": {"train": "x.jsonl"}}
+    hub = {"source": "hf", "name": "allenai/c4"}
+    assert DatasetOptions.from_mapping(local).shareable is False
+    assert DatasetOptions.from_mapping(hub).shareable is True
+    assert DatasetOptions.from_mapping({**local, "shareable": True}).shareable is True
+    assert DatasetOptions.from_mapping({**hub, "shareable": False}).shareable is False
+    # The decision is written into the run's settings (report/settings.json), and reads back the same.
+    config = two_clusters(private=(), aggregate_on="leo")
+    del config["sites"]["beta"]["dataset"]["shareable"]
+    config["federation"]["aggregate_on"] = "karo"
+    run = build_run_config(config)
+    assert run.raw["sites"]["beta"]["dataset"]["shareable"] is False
+    assert DatasetOptions.from_json(run.sites["beta"].dataset.to_json()).shareable is False
+    # Where the text goes decides no download: the download's options leave it out.
+    assert "shareable" not in run.sites["beta"].dataset.download_json()
+
+
+def test_the_pooled_baseline_with_a_site_whose_text_stays_home_is_refused():
+    config = two_clusters(private=("beta",))
+    for site in config["sites"].values():
+        site["cluster"] = "local"  # one cluster: pooling would still mix beta's text with alpha's
+    config["federation"].update(pooled_baseline=True, aggregate_on=None)
+    with pytest.raises(
+        ConfigError,
+        match=r"^x.yaml: federation.pooled_baseline: .* site beta's text may not leave it "
+        r"\(sites.beta.dataset.shareable: false\); set federation.pooled_baseline: false, or "
+        r"sites.beta.dataset.shareable: true",
+    ):
+        build_run_config(copy.deepcopy(config), source="x.yaml")
+    config["sites"]["beta"]["dataset"]["shareable"] = True
+    assert build_run_config(config).pooled is not None
+
+
+def test_evaluating_on_another_cluster_a_site_whose_text_stays_home_is_refused():
+    """Today the aggregating cluster scores every model on every site's test text: a private site on
+    another cluster is refused, naming the site, the key and both ways out."""
+    with pytest.raises(
+        ConfigError,
+        match=r"sites.beta.dataset.shareable: false, but site beta trains on karo and every model is "
+        r"evaluated on leo \(federation.aggregate_on\).*set federation.aggregate_on: karo, or set "
+        r"sites.beta.dataset.shareable: true .*evaluation where the data lives is planned",
+    ):
+        build_run_config(two_clusters(private=("beta",), aggregate_on="leo"))
+    with pytest.raises(
+        ConfigError, match=r"keep the sites whose text stays home on one cluster \(now karo, leo\)"
+    ):
+        build_run_config(two_clusters(private=("alpha", "beta"), aggregate_on="karo"))
+    run = build_run_config(two_clusters(private=("beta",), aggregate_on="karo"))
+    assert run.data_read_on == {"alpha": ("leo", "karo"), "beta": ("karo",)}
+    assert data_lines(run.raw) == ["site alpha: data read on leo, karo", "site beta: data read only on karo"]
+
+
+def test_a_tokenizer_built_from_a_private_sites_text_on_every_cluster_is_refused():
+    config = two_clusters(private=("beta",), aggregate_on="karo")
+    config["model"] = demo_config()["model"]  # source init: each cluster trains it on every site's text
+    with pytest.raises(
+        ConfigError,
+        match=r"sites.beta.dataset.shareable: false, but model.source init trains the tokenizer on every "
+        r"site's text on every cluster, so site beta's text would be read on leo too",
+    ):
+        build_run_config(config)
+
+
+def test_the_report_says_where_each_sites_text_was_read(tmp_path):
+    from fedtune.report.build import report
+
+    run = build_run_config(two_clusters(private=("beta",), aggregate_on="karo"))
+    paths = report(tmp_path / "report", write_evals(tmp_path), settings=run.raw)
+    page = unescape(paths["settings_html"].read_text())
+    assert (
+        "<p>Where each site's text was read (sites.<site>.dataset.shareable):<br>"
+        "site alpha: data read on leo, karo<br>site beta: data read only on karo</p>"
+    ) in page
+
+
+def test_the_aggregating_cluster_downloads_only_the_test_split_of_another_clusters_site(
+    tmp_path, tiny_model_dir
+):
+    config = two_clusters(private=("alpha",), aggregate_on="leo")
+    config.update(cluster="leo", model={"source": "local", "path": str(tiny_model_dir)})
+    write_config(tmp_path, config)
+    jobs = dry_run(tmp_path, "results/demo/eval/base/alpha.json")
+    downloads = {job.wildcards["site"]: job.shell for job in jobs if job.name == "download_data"}
+    assert set(downloads) == {"alpha", "beta"}
+    assert "--splits" not in downloads["alpha"]
+    assert "--splits test" in downloads["beta"]
+
+
+def test_a_private_sites_text_is_not_downloaded_on_another_cluster(tmp_path, tiny_model_dir):
+    config = two_clusters(private=("beta",), aggregate_on="karo")
+    config.update(cluster="leo", model={"source": "local", "path": str(tiny_model_dir)})
+    write_config(tmp_path, config)
+    result = snakemake(tmp_path, "--dry-run", "results/demo/data/beta/raw", check=False)
+    assert result.returncode != 0
+    assert (
+        "site beta's text is read only on karo, not on leo (sites.beta.dataset.shareable: false)"
+        in result.stderr + result.stdout
+    )
