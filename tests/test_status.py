@@ -137,3 +137,28 @@ def test_status_names_a_missing_config(tmp_path):
         cwd=tmp_path, capture_output=True, text=True, env={"PYTHONPATH": str(ROOT), "PATH": ""},
     )  # fmt: skip
     assert result.returncode == 2 and "nope.yaml: config file not found" in result.stderr
+
+
+def test_a_finished_jobs_speed_is_its_steps_mean_in_status_and_in_the_report(tmp_path):
+    """training.json's tokens_per_s: tokens over the seconds of the training steps (each loss row's
+    tokens/s is a step's tokens over its seconds), which status and the report's training table both
+    show; the report adds the whole job's, over the wall time (9,341 against 1,901 in a demo once,
+    both under one name)."""
+    from fedtune.report.build import training_table
+    from fedtune.report.status import site_status
+    from fedtune.train.loop import TrainingProgress
+
+    rows = HEADER + "1,1,5.0,0.003,0.5,1000.0,250\n2,1,4.9,0.003,0.5,4000.0,250\n"
+    progress = TrainingProgress()
+    progress.load_state_dict({"step": 2, "tokens_trained": 4096, "wall_time_s": 0.0}, rows)
+    assert progress.step_time_s(2048) == pytest.approx(2048 / 1000 + 2048 / 4000)  # 2.56 s
+    model = tmp_path / "round-1" / "alpha" / "model"
+    model.mkdir(parents=True)
+    (model / "loss.csv").write_text(rows)
+    summary = {"site": "alpha", "steps": 2, "tokens_seen": 4096, "final_loss": 4.9, "wall_time_s": 20.48,
+               "step_time_s": 2.56, "tokens_per_s": 1600.0}  # fmt: skip
+    (model / "training.json").write_text(json.dumps(summary))
+    status = site_status(tmp_path, 1, "alpha")
+    assert status.tokens_per_s == 1600.0  # not the last step's 4,000
+    (row,) = training_table([(1, "alpha", model / "training.json")]).to_dict("records")
+    assert row["tokens_per_s"] == 1600.0 and row["job_tokens_per_s"] == pytest.approx(200.0)
