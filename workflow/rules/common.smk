@@ -423,7 +423,8 @@ def transfer_mode(cluster):
 
 def remote_path(cluster, target):
     """Where another cluster keeps its run folder, for rsync. What a run fetches by default has its remote
-    checked at start (build_run_config); this names the entry a target asked for by hand needs."""
+    checked at start (build_run_config); this names the entry a target asked for by hand needs.
+    """
     remote = RUN.remotes.get(cluster)
     if remote is None:
         raise WorkflowError(
