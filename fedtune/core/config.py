@@ -1053,7 +1053,8 @@ def _check_cluster(
         )
     if here in remotes and remotes[here].transfer == "push":
         return  # the others send what it needs into its inbox
-    folder = f"user@host:/path/to/{Path(config['results']) / config['run']}"
+    run_dir = Path(config["results"]) / config["run"]
+    folder = f"user@host:{run_dir}" if run_dir.is_absolute() else f"user@host:/path/to/{run_dir}"
     if here == aggregate_on:
         # Each other cluster's sites' manifests and models.
         for name, site in sites.items():
