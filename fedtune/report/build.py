@@ -461,8 +461,8 @@ def rounds_figure(
 UNWARMED_ROUNDS_NOTE = (
     "Rounds after the first start at the rate the schedule has reached (federation.lr_schedule continue), "
     "without warmup, on a fresh site optimizer unless federation.site_optimizer is keep: AdamW's first "
-    "update moves every weight by about that rate, so a round's first steps may spike the loss (the demo's "
-    "round 3: 6.0 to 7.7 after one step; 6.0 at the warmup's rate). lr_schedule restart warms up each round."
+    "update moves every weight by about that rate, so a round's first steps may spike the loss. "
+    "lr_schedule restart warms up each round."
 )
 
 
