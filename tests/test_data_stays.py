@@ -26,7 +26,10 @@ def two_clusters(private=("beta",), aggregate_on="leo", **federation) -> dict:
         site["dataset"]["shareable"] = True
     for site in private:
         config["sites"][site]["dataset"]["shareable"] = False
-    config["federation"] = {"rounds": 1, "pooled_baseline": False, "aggregate_on": aggregate_on, **federation}
+    # Each cluster pulls from the other (their run folders, as rsync would name them).
+    remotes = {"leo": "me@leo:/scratch/results/demo", "karo": "me@karo:/scratch/results/demo"}
+    config["federation"] = {"rounds": 1, "pooled_baseline": False, "aggregate_on": aggregate_on,
+                            "remotes": remotes, **federation}  # fmt: skip
     return config
 
 

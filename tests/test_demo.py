@@ -159,12 +159,17 @@ def test_status_summarises_the_finished_run(demo):
     assert {(site["round"], site["site"]) for site in status["sites"]} == {
         (r, s) for r in range(1, ROUNDS + 1) for s in ("alpha", "beta")
     }
+    reported = pd.read_csv(run / "report" / "training.csv").set_index(["round", "site"])
     for site in status["sites"]:
         training = json.loads(
             (run / f"round-{site['round']}" / site["site"] / "model" / "training.json").read_text()
         )
         assert (site["state"], site["step"], site["total_steps"]) == ("done", STEPS, STEPS)
         assert site["loss"] == training["final_loss"] and site["elapsed_s"] == training["wall_time_s"]
+        # One training speed, per second of steps, in status and the report; the job's adds start-up.
+        speed = training["tokens_per_s"]
+        assert site["tokens_per_s"] == speed > training["tokens_seen"] / training["wall_time_s"]
+        assert reported.loc[(site["round"], site["site"]), "tokens_per_s"] == pytest.approx(speed, abs=0.5)
     # Before the last round only the merged model is evaluated (evaluate.intermediate: aggregate).
     expected = [2] * (ROUNDS - 1) + [6]
     assert [r["evaluations_expected"] for r in status["rounds"]] == expected

@@ -39,7 +39,8 @@ def write_site_runs(folder, rounds=2):
         for site in SITES:
             d = folder / f"round-{rnd}" / site
             d.mkdir(parents=True)
-            summary = {"site": site, "steps": 10, "tokens_seen": 20480, "final_loss": 2.5, "wall_time_s": 4.0}
+            summary = {"site": site, "steps": 10, "tokens_seen": 20480, "final_loss": 2.5, "wall_time_s": 4.0,
+                       "step_time_s": 2.0, "tokens_per_s": 10240.0}  # fmt: skip
             if site == "alpha":
                 summary.update(world_size=2, backend="fsdp", sharding="full")
             (d / "training.json").write_text(json.dumps(summary))
@@ -83,9 +84,14 @@ def test_report_tables_and_figures(tmp_path, monkeypatch):
         (1, "alpha"),
         (1, "beta"),
     ]
-    assert train["tokens_per_s"].tolist() == [5120.0] * 4
+    # Per second of training steps (training.json's, as status shows it) and of the whole job, labelled.
+    assert train["tokens_per_s"].tolist() == [10240.0] * 4
+    assert train["job_tokens_per_s"].tolist() == [5120.0] * 4
     assert train["backend"].isna().tolist() == [False, True, False, True]  # optional keys may be absent
-    assert "| 1 | beta | 10 | 20,480 | 4.0 | 5,120 | 2.5000 | – |" in (out / "training.md").read_text()
+    training_md = (out / "training.md").read_text()
+    assert "| 1 | beta | 10 | 20,480 | 4.0 | 10,240 | 5,120 | 2.5000 | – |" in training_md
+    assert "tokens_per_s: tokens per second of training steps" in training_md
+    assert "job_tokens_per_s: per second of the whole job" in training_md
 
     for figure in ("perplexity.png", "rounds.png", "loss.png"):
         assert (out / figure).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", figure
@@ -180,3 +186,38 @@ def test_one_table_per_downstream_task(tmp_path):
     assert (
         main(["--out", str(out), "--eval", *map(str, write_evals(tmp_path)), "--tasks", str(scores[0])]) == 2
     )
+
+
+def test_rounds_figure_draws_the_pooled_model_where_the_run_has_it(tmp_path):
+    from fedtune.report.build import rounds_figure
+
+    rows = [(0, "base", 90.0, 80.0), (1, "aggregate", 60.0, 55.0), (2, "aggregate", 50.0, 45.0)]
+    table = pd.DataFrame(rows, columns=["round", "model", *SITES])
+    drawn = rounds_figure(table, tmp_path / "rounds.png")
+    assert drawn["aggregate"]["alpha"] == [(0, 90.0), (1, 60.0), (2, 50.0)] and drawn["pooled"] == {}
+    pooled = pd.concat([table, pd.DataFrame([(2, "pooled", 40.0, 42.0)], columns=table.columns)])
+    drawn = rounds_figure(pooled, tmp_path / "rounds.png")
+    assert drawn["pooled"] == {"alpha": 40.0, "beta": 42.0}
+    assert (tmp_path / "rounds.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_loss_figure_explains_rounds_that_start_without_warmup(tmp_path):
+    """The demo's round 3 spiked to 7.7 after its first step: rounds under lr_schedule continue start
+    at full rate on a fresh optimizer; the figure says so, and says nothing where each round warms up."""
+    from fedtune.report.build import UNWARMED_ROUNDS_NOTE, loss_figure
+
+    def curves(first_rates):
+        entries = []
+        for rnd, first in enumerate(first_rates, start=1):
+            csv = tmp_path / f"{rnd}.csv"
+            rates = [first * (k + 1) if first < 1e-3 else 3e-3 for k in range(4)]
+            pd.DataFrame({"step": range(1, 5), "loss": [6.0, 7.7, 5.9, 5.8], "lr": rates}).to_csv(
+                csv, index=False
+            )
+            entries.append((rnd, "alpha", csv))
+        return entries
+
+    continuing = loss_figure(curves([3e-4, 3e-3, 3e-3]), tmp_path / "loss.png")
+    assert continuing == UNWARMED_ROUNDS_NOTE and "fresh site optimizer" in continuing
+    assert loss_figure(curves([3e-4, 3e-4, 3e-4]), tmp_path / "loss.png") is None  # restart: warmed up
+    assert loss_figure(curves([3e-4]), tmp_path / "loss.png") is None  # one round

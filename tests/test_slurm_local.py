@@ -29,10 +29,9 @@ def slurm_cluster():
 
 def test_up_again_is_a_no_op(slurm_cluster):
     pids_before = sorted(p.read_text() for p in (slurm_cluster.state / "run").glob("*.pid"))
-    start = time.monotonic()
     result = slurm_local("up", slurm_cluster.state)
     assert result.returncode == 0, result.stderr
-    assert time.monotonic() - start < 15
+    # The same daemons, none restarted (no bound on the seconds it took: they move with the machine's load).
     assert sorted(p.read_text() for p in (slurm_cluster.state / "run").glob("*.pid")) == pids_before
     status = slurm_local("status", slurm_cluster.state)
     assert status.returncode == 0 and "n1" in status.stdout and "n2" in status.stdout, status.stdout

@@ -148,10 +148,11 @@ def finished_cluster_tree(tmp_path, transfer: str):
     config = demo_config(results=str(tmp_path / "results"), federation={"rounds": 3})
     config["sites"]["alpha"]["cluster"] = "leo"
     config["sites"]["beta"]["cluster"] = "karo"
-    remote = "me@karo:/scratch/results/demo" if transfer == "pull" else "me@leo:/scratch/results/demo"
-    config["federation"].update(aggregate_on="leo", remotes={"karo" if transfer == "pull" else "leo": remote})
-    if transfer == "push":
-        config["federation"]["remotes"]["leo"] = {"path": remote, "transfer": "push"}
+    if transfer == "pull":  # each cluster pulls what it needs from the other
+        remotes = {"karo": "me@karo:/scratch/results/demo", "leo": "me@leo:/scratch/results/demo"}
+    else:  # karo pushes its models to leo
+        remotes = {"leo": {"path": "me@leo:/scratch/results/demo", "transfer": "push"}}
+    config["federation"].update(aggregate_on="leo", remotes=remotes)
     config_file = write_config(tmp_path, config)
     run = tmp_path / "results" / "demo"
     (run / "data" / "beta").mkdir(parents=True)
@@ -225,9 +226,9 @@ def test_status_refuses_a_cluster_the_config_does_not_know(tmp_path):
         cwd=tmp_path, capture_output=True, text=True, env={"PYTHONPATH": str(ROOT), "PATH": ""},
     )  # fmt: skip
     assert result.returncode == 2
-    assert "cluster 'leonard' trains no site and does not aggregate; the config's clusters are karo, leo" in (
-        result.stderr
-    )
+    # build_run_config's start check, which the workflow runs too.
+    assert "cluster: 'leonard' trains no site and does not aggregate" in result.stderr
+    assert "this config's clusters are karo, leo" in result.stderr
 
 
 def test_status_reads_the_cluster_each_profile_sets():
@@ -238,3 +239,28 @@ def test_status_reads_the_cluster_each_profile_sets():
     for cluster in ("leonardo", "karolina", "iris", "meluxina"):
         assert profile_cluster(ROOT / "profiles" / cluster) == cluster
     assert profile_cluster(ROOT / "profiles" / "local") is None
+
+
+def test_a_finished_jobs_speed_is_its_steps_mean_in_status_and_in_the_report(tmp_path):
+    """training.json's tokens_per_s: tokens over the seconds of the training steps (each loss row's
+    tokens/s is a step's tokens over its seconds), which status and the report's training table both
+    show; the report adds the whole job's, over the wall time (9,341 against 1,901 in a demo once,
+    both under one name)."""
+    from fedtune.report.build import training_table
+    from fedtune.report.status import site_status
+    from fedtune.train.loop import TrainingProgress
+
+    rows = HEADER + "1,1,5.0,0.003,0.5,1000.0,250\n2,1,4.9,0.003,0.5,4000.0,250\n"
+    progress = TrainingProgress()
+    progress.load_state_dict({"step": 2, "tokens_trained": 4096, "wall_time_s": 0.0}, rows)
+    assert progress.step_time_s(2048) == pytest.approx(2048 / 1000 + 2048 / 4000)  # 2.56 s
+    model = tmp_path / "round-1" / "alpha" / "model"
+    model.mkdir(parents=True)
+    (model / "loss.csv").write_text(rows)
+    summary = {"site": "alpha", "steps": 2, "tokens_seen": 4096, "final_loss": 4.9, "wall_time_s": 20.48,
+               "step_time_s": 2.56, "tokens_per_s": 1600.0}  # fmt: skip
+    (model / "training.json").write_text(json.dumps(summary))
+    status = site_status(tmp_path, 1, "alpha")
+    assert status.tokens_per_s == 1600.0  # not the last step's 4,000
+    (row,) = training_table([(1, "alpha", model / "training.json")]).to_dict("records")
+    assert row["tokens_per_s"] == 1600.0 and row["job_tokens_per_s"] == pytest.approx(200.0)

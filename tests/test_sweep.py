@@ -451,7 +451,12 @@ def test_sweep_over_one_and_two_cpu_processes_gives_the_same_loss_per_epoch(tmp_
     ],
 )
 def test_rule_all_has_the_sweep_where_its_site_trains(tmp_path, sweep, cluster, jobs):
-    write_config(tmp_path, two_process_demo() | {"sweep": sweep, "cluster": cluster})
+    config = two_process_demo() | {"sweep": sweep, "cluster": cluster}
+    if cluster:  # beta trains there (a cluster with nothing to do is refused); alpha, the swept one, not
+        config["sites"]["beta"]["cluster"] = cluster
+        remotes = {"local": "me@host:/run"}  # where the aggregate comes from; no pooled model across two
+        config["federation"] = {**config["federation"], "remotes": remotes, "pooled_baseline": False}
+    write_config(tmp_path, config)
     counts = job_counts(snakemake(tmp_path, "-n", "--forceall").stdout)
     assert counts.get("train_sweep", 0) == jobs, counts
     assert counts.get("sweep_report", 0) == (1 if jobs else 0), counts

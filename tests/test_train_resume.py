@@ -59,6 +59,11 @@ def test_killed_run_resumes_to_the_same_weights(
         summary["tokens_trained"]
         == json.loads((reference_run / "model" / "training.json").read_text())["tokens_trained"]
     )
+    # The training speed counts the steps before the restart too (each row: a step's tokens over its time).
+    per_step = summary["tokens_seen"] / summary["steps"]
+    rates = [float(r.split(",")[5]) for r in (tmp_path / "model" / "loss.csv").read_text().splitlines()[1:]]
+    assert summary["step_time_s"] == pytest.approx(sum(per_step / rate for rate in rates), abs=1e-3)
+    assert summary["tokens_per_s"] == pytest.approx(summary["tokens_seen"] / summary["step_time_s"], rel=1e-3)
 
 
 def test_sigusr1_checkpoints_exits_75_and_resumes(tiny_model_dir, site_manifest, reference_run, tmp_path):

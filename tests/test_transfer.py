@@ -165,13 +165,15 @@ def test_a_cluster_trains_its_own_sites_and_fetches_the_others(tmp_path, tiny_mo
     assert json.loads((leonardo / "results/demo/data/beta/manifest.json").read_text())["site"] == "beta"
 
 
-def test_a_missing_remote_names_the_command_to_run_where(tmp_path, tiny_model_dir):
+def test_a_missing_remote_is_a_config_error_naming_the_entry_to_add(tmp_path, tiny_model_dir):
+    """At start, before the DAG (tests/test_start_errors.py has the other cases)."""
     leonardo, _ = two_clusters(tmp_path, tiny_model_dir, remotes=False)
     result = snakemake(leonardo, "-n", TARGETS[1], check=False)
     assert result.returncode != 0
     message = result.stdout + result.stderr
-    assert "snakemake --profile profiles/karolina results/demo/round-1/beta/model" in message
-    assert "federation.remotes.karolina" in message
+    assert "sites.beta.cluster: karolina has no federation.remotes entry" in message, message[-2000:]
+    assert "`karolina: user@host:/path/to/results/demo`" in message
+    assert "InputFunctionException" not in message
 
 
 def test_with_adapters_only_adapters_cross_and_each_cluster_merges_the_aggregate(tmp_path, tiny_model_dir):

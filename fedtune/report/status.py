@@ -171,7 +171,9 @@ def site_status(run_dir: Path, round: int, site: str) -> SiteStatus:
             round, site, "done",
             step=summary["steps"], total_steps=summary["steps"], checkpoint=checkpoint_name,
             loss=summary["final_loss"],
-            tokens_per_s=float(row["tokens_per_s"]) if row else None,
+            # The job's mean over its steps, as the report's training table (a summary written before
+            # training.json had it: the last step's).
+            tokens_per_s=summary.get("tokens_per_s") or (float(row["tokens_per_s"]) if row else None),
             elapsed_s=summary["wall_time_s"], eta_s=0.0,
         )  # fmt: skip
     status = SiteStatus(round, site, "waiting", checkpoint=checkpoint_name)
@@ -305,6 +307,9 @@ def format_status(status: dict) -> str:
         where = "here" if cluster == status["aggregate_on"] else f"on {status['aggregate_on']}"
         lines.append(f"cluster: {cluster} (the models meet {where})")
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    lines.append(
+        "tok/s: tokens per second of training steps (done: the mean of all steps; else the last one)"
+    )
     for r in status["rounds"]:
         if "aggregate" not in r:
             continue  # this cluster neither aggregates nor evaluates

@@ -100,6 +100,12 @@ class TrainingProgress:
     def last_loss(self) -> float:
         return float(self.loss_rows[-1].split(",")[2]) if self.step else float("nan")
 
+    def step_time_s(self, tokens_per_step: int) -> float:
+        """Seconds spent in training steps (resumed ones included): each loss row's tokens/s is the step's
+        tokens over that step's seconds. The job's wall time adds start-up, loading and export."""
+        column = LOSS_HEADER.strip().split(",").index("tokens_per_s")
+        return sum(tokens_per_step / float(row.split(",")[column]) for row in self.loss_rows[1:])
+
 
 @dataclass(frozen=True)
 class RoundPlan:
@@ -411,6 +417,7 @@ def train(args: TrainJob, options: TrainOptions, plan: RoundPlan = RoundPlan()) 
 
 def summary(run: Setup, progress: TrainingProgress, started: float) -> dict:
     args, options, job, order = run.args, run.options, run.job, run.order
+    step_time = progress.step_time_s(run.tokens_per_step)
     return {
         "site": args.site,
         "task": run.task,
@@ -425,6 +432,10 @@ def summary(run: Setup, progress: TrainingProgress, started: float) -> dict:
         "tokens_trained": progress.tokens_trained,
         "final_loss": progress.last_loss,
         "wall_time_s": round(progress.wall_time_s + time.time() - started, 3),
+        # Training speed: tokens per second of the steps alone (what the log lines and status show per
+        # step), not of the wall time, which for a short job is mostly start-up.
+        "step_time_s": round(step_time, 3),
+        "tokens_per_s": round(progress.step * run.tokens_per_step / step_time, 1) if step_time else None,
         "world_size": job.world_size,
         "nodes": job.nodes,
         "processes_per_node": job.local_world_size,

@@ -512,15 +512,14 @@ def transfer_mode(cluster):
 
 
 def remote_path(cluster, target):
-    """Where another cluster keeps its run folder, for rsync. Without a remote for that cluster, the error
-    says what to run where instead."""
+    """Where another cluster keeps its run folder, for rsync. What a run fetches by default has its remote
+    checked at start (build_run_config); this names the entry a target asked for by hand needs.
+    """
     remote = RUN.remotes.get(cluster)
     if remote is None:
         raise WorkflowError(
-            f"{target} is missing: it is made on cluster {cluster}. Either run there "
-            f"`snakemake --profile profiles/{cluster} {target}` and copy it here, or set "
-            f"federation.remotes.{cluster} to that run's folder (user@host:/path/{RUN_DIR}) so that the "
-            f"clusters exchange it with rsync."
+            f"{target} is made on cluster {cluster}, which has no federation.remotes entry: add "
+            f"`{cluster}: user@host:/path/to/{RUN_DIR}` (its run folder, as rsync names it)"
         )
     return remote.path.rstrip("/")
 
