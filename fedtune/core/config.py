@@ -513,12 +513,11 @@ class TrainOptions(_Options):
     @property
     def tasks_per_gpu(self) -> int | None:
         """0 on a GPU job: the Slurm plugin then sends no --ntasks-per-gpu (without it, it would turn
-        `tasks` into one). That option puts SLURM_NTASKS_PER_GPU into the batch step, and from Slurm 23.11
-        on, with --cpus-per-task, also SLURM_TRES_PER_TASK, and every srun inside the job then stops:
-        "SLURM_TRES_PER_TASK is mutually exclusive with --ntasks-per-gpu and SLURM_NTASKS_PER_GPU"
-        (the plugin's issues 342, 373; docs/clusters.md). It would also bind each task to one GPU and
-        rules out --ntasks-per-node. The geometry is --nodes, --ntasks-per-node (or --ntasks) and
-        --gres=gpu:<gpus_per_node>, which is per node."""
+        `tasks` into one). That option puts SLURM_NTASKS_PER_GPU into the batch step, which the job's own
+        srun (scripts/launch) refuses beside --ntasks-per-node (Slurm 22.05) and, from 23.11 on, beside
+        the SLURM_TRES_PER_TASK that --cpus-per-task adds (the plugin's issues 342, 373); it would also
+        bind each task to one GPU (docs/clusters.md, "The GPU job's task geometry"). The geometry is
+        --nodes, --ntasks-per-node (or --ntasks) and --gres=gpu:<gpus_per_node>, which is per node."""
         return 0 if self.gpus_per_node else None
 
 
