@@ -107,7 +107,11 @@ def start_cluster() -> Cluster:
     if os.geteuid() != 0:
         pytest.skip("the local Slurm cluster needs root (its daemons run as SlurmUser=root)")
     test_state = Path(os.environ.get("FEDTUNE_TEST_TMP", "/tmp/fedtune-tests")) / "slurm-local"
-    candidates = [os.environ.get("FEDTUNE_SLURM_DIR"), ROOT / ".slurm-local", test_state]
+    # The cluster that /etc/slurm/slurm.conf points at (scripts/slurm-local links it) may be another
+    # worktree's: one machine holds one local cluster, whichever folder its state is in.
+    linked = Path("/etc/slurm/slurm.conf")
+    running = linked.resolve().parent.parent if linked.is_symlink() else None
+    candidates = [os.environ.get("FEDTUNE_SLURM_DIR"), ROOT / ".slurm-local", running, test_state]
     for candidate in filter(None, candidates):
         # Already up (a user's cluster, or another test session's): use it, leave it running.
         if Path(candidate).is_dir() and slurm_local("status", Path(candidate), timeout=60).returncode == 0:
