@@ -68,7 +68,7 @@ class Cluster:
 
     def jobs(self, workdir: Path | None = None, job_ids=None) -> list[dict[str, str]]:
         """sacct's view of the jobs (allocations only, no steps) started in workdir, or with job_ids."""
-        fields = ["JobID", "JobName", "State", "ExitCode", "NodeList", "WorkDir", "Comment"]
+        fields = ["JobID", "JobName", "State", "ExitCode", "NodeList", "WorkDir", "Comment", "AllocTRES"]
         command = ["sacct", "-X", "-n", "-P", "-S", "now-6hours", "-o", ",".join(fields)]
         if job_ids:
             command += ["-j", ",".join(map(str, job_ids))]
@@ -78,6 +78,12 @@ class Cluster:
         if workdir is not None:
             rows = [row for row in rows if row["WorkDir"] == str(workdir)]
         return rows
+
+    def job_record(self, job_id: str) -> dict[str, str]:
+        """The controller's record of a job (`scontrol show job`), kept MinJobAge (300 s) after it ends:
+        how Slurm holds the request (NumTasks, NtasksPerN:B:S:C, TresPerNode, NtasksPerTRES, ...)."""
+        text = self.run("scontrol", "show", "job", "--oneliner", str(job_id)).stdout
+        return dict(word.split("=", 1) for word in text.split() if "=" in word)
 
     def wait_for_states(self, job_ids, name=None, timeout=60):
         """Poll sacct until every job has reached a final state with its whole record. Accounting trails
@@ -101,7 +107,11 @@ def start_cluster() -> Cluster:
     if os.geteuid() != 0:
         pytest.skip("the local Slurm cluster needs root (its daemons run as SlurmUser=root)")
     test_state = Path(os.environ.get("FEDTUNE_TEST_TMP", "/tmp/fedtune-tests")) / "slurm-local"
-    candidates = [os.environ.get("FEDTUNE_SLURM_DIR"), ROOT / ".slurm-local", test_state]
+    # The cluster that /etc/slurm/slurm.conf points at (scripts/slurm-local links it) may be another
+    # worktree's: one machine holds one local cluster, whichever folder its state is in.
+    linked = Path("/etc/slurm/slurm.conf")
+    running = linked.resolve().parent.parent if linked.is_symlink() else None
+    candidates = [os.environ.get("FEDTUNE_SLURM_DIR"), ROOT / ".slurm-local", running, test_state]
     for candidate in filter(None, candidates):
         # Already up (a user's cluster, or another test session's): use it, leave it running.
         if Path(candidate).is_dir() and slurm_local("status", Path(candidate), timeout=60).returncode == 0:

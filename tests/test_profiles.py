@@ -156,18 +156,20 @@ def test_profile_dry_runs_the_demo_with_the_clusters_sbatch_options(cluster, acc
             assert f"-p {gpu_partition}" in options, options
         if job.name == "train":
             assert all(extra in options for extra in gpu_extra), options
-            tasks = 2 if launcher == "torchrun" else 2 * gpus
+            # The geometry: one task per node (torchrun) or one per GPU (srun) as tasks per node, the
+            # node's GPUs; never --ntasks-per-gpu, which the job's own srun refuses (test_slurm_gpu.py).
+            tasks = "--ntasks=2" if launcher == "torchrun" else f"--ntasks-per-node={gpus}"
             cpus = cores if launcher == "torchrun" else cores // gpus
             for expected in [
                 "--nodes=2",
-                f"--ntasks={tasks}",
+                tasks,
                 f"--gres=gpu:{gpus}",
                 f"--cpus-per-task={cpus}",
                 "--mem 200000",
                 "-t 720",
             ]:
                 assert expected in options, (expected, options)
-            assert ("--ntasks-per-gpu=1" in options) == (launcher == "srun"), options
+            assert "--ntasks-per-gpu" not in options, options
             # No Slurm --signal: on a one-task job it would kill the job's inner Snakemake; the launcher
             # signals the training processes itself (test_time_limit_... in test_slurm_local.py).
             assert "--signal" not in options, options

@@ -222,7 +222,17 @@ def test_train_rule_resources_follow_the_launcher(tmp_path):
     ]
     jobs = {job.wildcards["site"]: job for job in dry_run(tmp_path, *targets) if job.name == "train"}
     alpha, beta, gamma = jobs["alpha"], jobs["beta"], jobs["gamma"]
-    assert (alpha.resources["nodes"], alpha.resources["tasks"], alpha.resources["tasks_per_gpu"]) == (2, 8, 1)
+    # srun, 4 per node: tasks per node, and no tasks per GPU (0: the plugin sends no --ntasks-per-gpu).
+    assert "tasks" not in alpha.resources
+    assert (
+        alpha.resources["nodes"],
+        alpha.resources["tasks_per_node"],
+        alpha.resources["tasks_per_gpu"],
+    ) == (
+        2,
+        4,
+        0,
+    )
     assert (alpha.resources["cpus_per_task"], alpha.resources["gres"], alpha.resources["mpi"]) == (
         8,
         "gpu:4",

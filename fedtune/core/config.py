@@ -484,6 +484,20 @@ class TrainOptions(_Options):
             return self.world_size
         return 1
 
+    # The job's task geometry, as the Slurm executor plugin's resources: `tasks` (--ntasks) or
+    # `tasks_per_node` (--ntasks-per-node; the plugin takes one of the two for an mpi job, and the latter
+    # only above 1). With srun and several processes per node it is the latter, so that Slurm places
+    # exactly processes_per_node tasks on each node, the layout scripts/launch's srun asks for.
+    @property
+    def slurm_tasks_per_node(self) -> int | None:
+        if self.job_launcher == "srun" and self.processes_per_node > 1:
+            return self.processes_per_node
+        return None
+
+    @property
+    def slurm_total_tasks(self) -> int | None:
+        return None if self.slurm_tasks_per_node else self.slurm_tasks
+
     @property
     def job_launcher(self) -> str:
         # A single task needs no srun step (the job already runs on its node): torchrun starts it directly.
@@ -499,11 +513,13 @@ class TrainOptions(_Options):
 
     @property
     def tasks_per_gpu(self) -> int | None:
-        # The Slurm plugin otherwise reads `tasks` as tasks per GPU; torchrun's one task per node drives
-        # all of the node's GPUs (0 = do not set).
-        if not self.gpus_per_node:
-            return None
-        return 1 if self.job_launcher == "srun" else 0
+        """0 on a GPU job: the Slurm plugin then sends no --ntasks-per-gpu (without it, it would turn
+        `tasks` into one). That option puts SLURM_NTASKS_PER_GPU into the batch step, which the job's own
+        srun (scripts/launch) refuses beside --ntasks-per-node (Slurm 22.05) and, from 23.11 on, beside
+        the SLURM_TRES_PER_TASK that --cpus-per-task adds (the plugin's issues 342, 373); it would also
+        bind each task to one GPU (docs/clusters.md, "The GPU job's task geometry"). The geometry is
+        --nodes, --ntasks-per-node (or --ntasks) and --gres=gpu:<gpus_per_node>, which is per node."""
+        return 0 if self.gpus_per_node else None
 
     @property
     def slurm_extra(self) -> str | None:

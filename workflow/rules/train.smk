@@ -34,7 +34,10 @@ rule train:
     threads: lambda wc: train_job_options(wc).cpus_per_task
     resources:
         nodes=lambda wc: train_job_options(wc).nodes,
-        tasks=lambda wc: train_job_options(wc).slurm_tasks,
+        # The task geometry: see TrainOptions.slurm_tasks_per_node and tasks_per_gpu (never
+        # --ntasks-per-gpu, which the job's own srun refuses from Slurm 23.11 on).
+        tasks=lambda wc: train_job_options(wc).slurm_total_tasks,
+        tasks_per_node=lambda wc: train_job_options(wc).slurm_tasks_per_node,
         tasks_per_gpu=lambda wc: train_job_options(wc).tasks_per_gpu,
         cpus_per_task=lambda wc: train_job_options(wc).cpus_per_task,
         gres=lambda wc: train_job_options(wc).gres,
