@@ -292,9 +292,16 @@ def test_every_profiles_gpu_training_reaches_each_rank_on_the_gpu_cluster(slurm_
         per_node, gpus = train["processes_per_node"], train["gpus_per_node"]
         job = jobs[f"rule_train_wildcards_1_{site}"]
         assert job["State"] == "COMPLETED" and job["NodeList"] == "n[1-2]", job
-        # Accounting's view of the allocation: the GPUs of both nodes, one CPU per rank.
-        assert f"gres/gpu={2 * gpus}" in job["AllocTRES"].split(","), job
-        assert f"cpu={2 * per_node}" in job["AllocTRES"].split(","), job
+        # Accounting's view of the allocation: a GPU training over two nodes runs exclusive
+        # (TrainOptions.slurm_extra), so it holds both nodes whole, every GPU and CPU they declare.
+        node = dict(
+            field.split("=", 1) for field in slurm_cluster.run("scontrol", "-o", "show", "node", "n1").stdout.split()
+            if "=" in field
+        )  # fmt: skip
+        whole = dict(item.split("=", 1) for item in node["CfgTRES"].split(","))
+        assert int(whole["gres/gpu"]) >= gpus and int(whole["cpu"]) >= per_node, node
+        assert f"gres/gpu={2 * int(whole['gres/gpu'])}" in job["AllocTRES"].split(","), job
+        assert f"cpu={2 * int(whole['cpu'])}" in job["AllocTRES"].split(","), job
         # The controller's record of what the plugin submitted: GPUs and tasks per node, and no tasks per
         # GPU (NtasksPerTRES), which would reach the job's srun as SLURM_NTASKS_PER_GPU.
         record = slurm_cluster.job_record(job["JobID"])
