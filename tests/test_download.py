@@ -159,6 +159,31 @@ def test_local_model_is_validated_and_copied(tiny_model_dir, tmp_path):
     assert load_causal_lm(out).config.num_hidden_layers == 2
 
 
+def test_a_local_model_from_another_run_shares_no_tool_marker_with_it(tiny_model_dir, tmp_path):
+    """model.source local pointing into another run's results (issue 37): the model's files are linked,
+    Snakemake's marker of that run's directory output is not, so the new run touching its own marker
+    leaves the source run's untouched (and with it that run's "Nothing to be done")."""
+    import os
+    import shutil
+
+    source = tmp_path / "results" / "first" / "model" / "base"
+    shutil.copytree(tiny_model_dir, source)
+    marker = source / ".snakemake_timestamp"
+    marker.touch()
+    os.utime(marker, ns=(1_000_000_000, 1_000_000_000))
+    before = marker.stat()
+    out = tmp_path / "results" / "second" / "model" / "base"
+    download_model(ModelOptions.from_mapping({"source": "local", "path": str(source)}), out)
+    assert not (out / ".snakemake_timestamp").exists()
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
+    assert {p.name for p in source.iterdir()} - {p.name for p in out.iterdir()} == {".snakemake_timestamp"}
+    (out / ".snakemake_timestamp").touch()  # what Snakemake does when the download job ends
+    after = marker.stat()
+    assert (after.st_ino, after.st_nlink, after.st_mtime_ns) == (before.st_ino, 1, before.st_mtime_ns)
+    # The model's own files still come over, linked where the file system allows it.
+    assert (out / "model.safetensors").stat().st_ino == (source / "model.safetensors").stat().st_ino
+
+
 @pytest.fixture
 def offline_hub(tiny_model_dir, tmp_path, monkeypatch):
     """The tiny model as the hub model fedtune-test/tiny at a pinned commit, served offline from a local

@@ -129,8 +129,15 @@ def _corpus_texts(corpora: list[dict], max_documents: int | None):
 
 
 def _copy_model_dir(source: Path, dest: Path) -> None:
+    """Link (or copy) the model's own files: every plain file but the hidden ones. A hidden file in a
+    model folder is a tool's, never the model's (transformers reads named files): Snakemake's
+    `.snakemake_timestamp` in a directory output, rsync's temporaries, an editor's swap file. Linked,
+    Snakemake's marker would be one inode in both runs, and the new run touching its own would make the
+    source run's outputs look newer than everything after them there (issue 37). Named files of every
+    kind are kept, so that a folder's remote code (`*.py`) and tokenizer files of any format come along.
+    """
     for path in source.iterdir():
-        if path.is_file():
+        if path.is_file() and not path.name.startswith("."):
             try:
                 # A hard link costs no space for a 14 GB checkpoint on the same file system.
                 (dest / path.name).hardlink_to(path)
