@@ -221,6 +221,61 @@ def test_hf_model_is_fetched_as_files_without_loading_it(offline_hub, tiny_model
     assert next(load_causal_lm(out).parameters()).dtype == torch.float32
 
 
+def test_a_hub_download_at_a_branch_pins_the_commit_and_every_files_sha256(offline_hub, tmp_path):
+    """model.revision main (a branch): the record says which commit the hub resolved it to, and the
+    sha256 of every file with one hash of them all, the base's identity that training carries on."""
+    from fedtune.core.checksums import folder_identity, sha256_file
+
+    out = tmp_path / "base"
+    download_model(ModelOptions.from_mapping({"source": "hf", "name": "fedtune-test/tiny"}), out)
+    record = json.loads((out / "fedtune-source.json").read_text())
+    assert record["revision"] == "main" and record["commit"] == offline_hub, record
+    files = {p.name for p in out.iterdir() if p.name != "fedtune-source.json"}
+    assert set(record["sha256"]) == files and "model.safetensors" in files
+    assert all(record["sha256"][name] == sha256_file(out / name) for name in files)
+    assert record["identity"] == folder_identity(record["sha256"])
+
+
+def test_a_branch_revision_is_named_with_a_commit_to_pin(offline_hub, tmp_path):
+    from fedtune.download.hub_model import revision_advice
+
+    def advice(revision, base=tmp_path / "none"):
+        return revision_advice(
+            ModelOptions.from_mapping({"source": "hf", "name": "fedtune-test/tiny", **revision}), base
+        )
+
+    # The branch as this machine's hub cache resolved it, when no download recorded one yet.
+    assert "model.revision 'main' is a branch or tag" in advice({})
+    assert f"model.revision: {offline_hub} (what main pointed to" in advice({"revision": "main"})
+    assert "huggingface.co/fedtune-test/tiny/commits/v2" in advice({"revision": "v2"})
+    assert advice({"revision": offline_hub}) is None
+    # The commit this run's base was downloaded at, when there is one.
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "fedtune-source.json").write_text(json.dumps({"commit": "c" * 40}))
+    assert f"model.revision: {'c' * 40} (what {base} was downloaded at)" in advice({}, base)
+
+
+def test_the_dry_run_warns_about_a_branch_revision(tmp_path, offline_hub, monkeypatch):
+    """At parse time, on stderr: the dry run of a config naming a hub model by a branch."""
+    import huggingface_hub.constants
+
+    from .workflow_harness import demo_config, snakemake, write_config
+
+    config = demo_config()
+    config["model"] = {"source": "hf", "name": "fedtune-test/tiny", "revision": "main", "dtype": "float32"}
+    write_config(tmp_path, config)
+    monkeypatch.setenv("HF_HUB_CACHE", huggingface_hub.constants.HF_HUB_CACHE)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = snakemake(tmp_path, "-n", "results/demo/data/alpha/manifest.json")
+    assert "fedtune: warning: model.revision 'main' is a branch or tag" in result.stderr, result.stderr
+    assert f"model.revision: {offline_hub}" in result.stderr
+    config["model"]["revision"] = offline_hub
+    write_config(tmp_path, config)
+    result = snakemake(tmp_path, "-n", "results/demo/data/alpha/manifest.json")
+    assert "model.revision" not in result.stderr, result.stderr
+
+
 def test_a_truncated_hub_download_is_refused_by_name(offline_hub, tmp_path):
     import huggingface_hub.constants
 

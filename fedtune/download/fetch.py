@@ -20,11 +20,12 @@ Hub tokens come from the environment (HF_TOKEN), never from the config or the co
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from pathlib import Path
 
-from fedtune.core import cli
+from fedtune.core import checksums, cli
 from fedtune.core.atomic import atomic_dir, write_json
 from fedtune.core.config import (
     CAUSAL_LM,
@@ -145,6 +146,16 @@ def _copy_model_dir(source: Path, dest: Path) -> None:
                 shutil.copy2(path, dest / path.name)
 
 
+def _recorded_digests(folder: Path) -> dict[str, str]:
+    """The weights' sha256 as fedtune-checksums.json holds them (hashed once, when it was written)."""
+    from fedtune.core.models import CHECKSUMS
+
+    path = folder / CHECKSUMS
+    if not path.is_file():
+        return {}
+    return {name: entry["sha256"] for name, entry in json.loads(path.read_text()).items()}
+
+
 def download_model(
     options: ModelOptions, out: str | Path, corpora: list[dict] | None = None, task: str = CAUSAL_LM
 ) -> None:
@@ -215,7 +226,11 @@ def download_model(
 
             fetched = hub_model.fetch(options, tmp)
             record.update(name=options.name, revision=options.revision, **fetched)
-        write_json(tmp / "fedtune-source.json", record)
+        # What was downloaded, pinned: each file's sha256 and one hash of them all, which every site's
+        # training records and the aggregation compares (two clusters download the base separately).
+        digests = checksums.folder_digests(tmp, _recorded_digests(tmp))
+        record.update(sha256=digests, identity=checksums.folder_identity(digests))
+        write_json(tmp / checksums.SOURCE_RECORD, record)
     print(f"saved the {source} model to {out}")
 
 
