@@ -580,6 +580,8 @@ def stage_outputs():
     reads them, and docs/federation.md lets the older rounds' be deleted to save space. The list is the
     DAG's own files, no more: a target that no rule here makes would stop the run.
     """
+    if not aggregates_here() and not LOCAL_SITES:
+        return []  # nothing of this run is made here
     raw_sites = (
         SITES if aggregates_here() or RUN.model.source == "init" else LOCAL_SITES
     )
