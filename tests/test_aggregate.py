@@ -382,7 +382,7 @@ def test_refuses_a_site_trained_from_another_download_of_the_base(tmp_path):
     start = write_checkpoint(tmp_path / "base", tensors)
     digests = folder_digests(start)
     here = {"identity": folder_identity(digests), "commit": "a" * 40}
-    (start / "fedtune-source.json").write_text(json.dumps({"source": "hf", "sha256": digests, **here}))
+    (start / "fedtune-source.json").write_text(json.dumps({"source": "hf", "file_sha256": digests, **here}))
     moved = {"identity": "f" * 64, "commit": "b" * 40}
     for site, base in (("a", here), ("b", moved)):
         write_checkpoint(tmp_path / site, tensors)

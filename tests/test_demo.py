@@ -378,7 +378,7 @@ def test_each_site_carries_the_identity_of_the_base_it_started_from(demo):
     with its own; later rounds start from an aggregate and name none."""
     run, _ = demo
     base = json.loads((run / "model" / "base" / "fedtune-source.json").read_text())
-    assert set(base["sha256"]) >= {"config.json", "model.safetensors", "tokenizer.json"}
+    assert set(base["file_sha256"]) >= {"config.json", "model.safetensors", "tokenizer.json"}
     for site in ("alpha", "beta"):
         first = json.loads((run / "round-1" / site / "model" / "training.json").read_text())
         assert first["base"] == {"identity": base["identity"], "commit": None}

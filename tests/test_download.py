@@ -231,9 +231,9 @@ def test_a_hub_download_at_a_branch_pins_the_commit_and_every_files_sha256(offli
     record = json.loads((out / "fedtune-source.json").read_text())
     assert record["revision"] == "main" and record["commit"] == offline_hub, record
     files = {p.name for p in out.iterdir() if p.name != "fedtune-source.json"}
-    assert set(record["sha256"]) == files and "model.safetensors" in files
-    assert all(record["sha256"][name] == sha256_file(out / name) for name in files)
-    assert record["identity"] == folder_identity(record["sha256"])
+    assert set(record["file_sha256"]) == files and "model.safetensors" in files
+    assert all(record["file_sha256"][name] == sha256_file(out / name) for name in files)
+    assert record["identity"] == folder_identity(record["file_sha256"])
 
 
 def test_a_branch_revision_is_named_with_a_commit_to_pin(offline_hub, tmp_path):

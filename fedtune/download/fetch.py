@@ -229,7 +229,7 @@ def download_model(
         # What was downloaded, pinned: each file's sha256 and one hash of them all, which every site's
         # training records and the aggregation compares (two clusters download the base separately).
         digests = checksums.folder_digests(tmp, _recorded_digests(tmp))
-        record.update(sha256=digests, identity=checksums.folder_identity(digests))
+        record.update(file_sha256=digests, identity=checksums.folder_identity(digests))
         write_json(tmp / checksums.SOURCE_RECORD, record)
     print(f"saved the {source} model to {out}")
 
