@@ -371,3 +371,31 @@ def test_write_error_stops_the_merge_and_leaves_nothing(tmp_path, monkeypatch):
         aggregate(models, tmp_path / "out", options(weights="uniform", max_shard_size="20KB"))
     assert not (tmp_path / "out").exists()
     assert not list(tmp_path.glob(".out.tmp-*"))
+
+
+def test_refuses_a_site_trained_from_another_download_of_the_base(tmp_path):
+    """Two clusters download the base separately (issue 37): a site whose round-1 model names another
+    base than the start model (the downloaded base) is refused, both hashes named, before any write."""
+    from fedtune.core.checksums import folder_digests, folder_identity
+
+    tensors = random_tensors(0)
+    start = write_checkpoint(tmp_path / "base", tensors)
+    digests = folder_digests(start)
+    here = {"identity": folder_identity(digests), "commit": "a" * 40}
+    (start / "fedtune-source.json").write_text(json.dumps({"source": "hf", "file_sha256": digests, **here}))
+    moved = {"identity": "f" * 64, "commit": "b" * 40}
+    for site, base in (("a", here), ("b", moved)):
+        write_checkpoint(tmp_path / site, tensors)
+        (tmp_path / site / "training.json").write_text(json.dumps({"site": site, "round": 1, "base": base}))
+    models = {"a": tmp_path / "a", "b": tmp_path / "b"}
+    with pytest.raises(AggregateError) as error:
+        aggregate(models, tmp_path / "out", options(weights="uniform"), start=start)
+    message = str(error.value)
+    assert f"site b ({tmp_path / 'b'}): base {'f' * 64} (hub commit {'b' * 40})" in message, message
+    assert f"the start model {start}: base {here['identity']} (hub commit {'a' * 40})" in message, message
+    assert "site a" not in message and not (tmp_path / "out").exists()
+    # The same base everywhere merges; so do folders that record none (a later round's models).
+    (tmp_path / "b" / "training.json").write_text(json.dumps({"site": "b", "round": 1, "base": here}))
+    aggregate(models, tmp_path / "out", options(weights="uniform"), start=start)
+    (tmp_path / "b" / "training.json").write_text(json.dumps({"site": "b", "round": 2, "base": None}))
+    aggregate(models, tmp_path / "out2", options(weights="uniform"), start=start)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -19,7 +20,7 @@ from PIL import Image
 from fedtune.core.config import EvaluateOptions
 
 from . import report_browser
-from .workflow_harness import ROOT, demo_config, snakemake, write_config
+from .workflow_harness import ROOT, demo_config, dry_run, snakemake, write_config
 
 # Every test here needs the demo's run (the module fixture: about 4 minutes on 2 cores).
 pytestmark = pytest.mark.slow
@@ -258,3 +259,132 @@ def test_the_html_report_shows_tables_figures_and_settings_in_a_browser(demo, tm
     for category, name in [("Perplexity", "perplexity.html"), ("Training", "loss.png")]:
         png = report_browser.screenshot(driven, category, name, tmp_path / f"{name}.png")
         assert report_browser.distinct_colours(png) > 20, f"{png}: a blank page"
+
+
+def copy_of_the_run(workdir, dest):
+    """The finished demo's working directory as it is: files, mtimes and Snakemake's records (keyed by
+    paths relative to it)."""
+    return shutil.copytree(workdir, dest, symlinks=True)
+
+
+def nothing_to_do(result) -> bool:
+    return "Nothing to be done" in result.stdout + result.stderr
+
+
+def test_a_moved_checkout_and_working_directory_have_nothing_to_do(demo, tmp_path):
+    """Issue 37: a clone in another folder (or a renamed project folder, a scratch mount that resolves
+    differently) must not rerun a finished run: no param, input, code or software record may hold the
+    checkout's path (train's launcher did, and so retrained every round)."""
+    _, workdir = demo
+    checkout = tmp_path / "moved" / "fedtune"
+    for name in ("Snakefile", "workflow", "fedtune", "scripts", "profiles", "config", "envs", "data"):
+        source = ROOT / name
+        if source.is_dir():
+            shutil.copytree(
+                source, checkout / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__")
+            )
+        else:
+            checkout.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, checkout / name)
+    moved = copy_of_the_run(workdir, tmp_path / "moved" / "work")
+    result = snakemake(moved, "-n", root=checkout)
+    assert nothing_to_do(result), result.stdout[-3000:]
+
+
+def planned(workdir) -> set[tuple]:
+    """(rule, wildcards) of every job a dry run plans, rule all left out."""
+    return {(job.name, tuple(sorted(job.wildcards.items()))) for job in dry_run(workdir) if job.name != "all"}
+
+
+def test_a_deleted_output_of_any_stage_is_redone_with_what_depends_on_it(demo, tmp_path):
+    """The promise (docs/reliability.md): deleting a stage's output (a shard, a site model, an aggregate,
+    an evaluation) reruns the job that made it and every job made from it after it, nothing else. Before
+    issue 37 only the shards were targets, and a deleted site model planned nothing."""
+    _, workdir = demo
+    copy = copy_of_the_run(workdir, tmp_path / "run")
+    run = copy / "results" / "demo"
+    last = str(ROUNDS)
+
+    def without(relative):
+        path = run / relative
+        aside = tmp_path / "aside"
+        path.rename(aside)
+        try:
+            return planned(copy)
+        finally:
+            aside.rename(path)
+
+    # An evaluation: its job (one per model, both test sets) and the report.
+    plan = without(f"{LAST}/eval/alpha/beta.json")
+    assert plan == {("evaluate_round", (("model", "alpha"), ("round", last))), ("report", ())}, plan
+    # The last round's site model: its training, the round's merge, what scores either, the report.
+    plan = without(f"{LAST}/beta/model")
+    expected = {
+        ("train", (("round", last), ("site", "beta"))),
+        ("aggregate", (("round", last),)),
+        ("evaluate_round", (("model", "beta"), ("round", last))),
+        ("evaluate_round", (("model", "aggregate"), ("round", last))),
+        ("report", ()),
+    }
+    if DOWNSTREAM:
+        expected |= {
+            ("evaluate_tasks_round", (("model", model), ("round", last))) for model in ("beta", "aggregate")
+        }
+    assert plan == expected, plan
+    # An aggregate of round 3: that merge, and every later round of both sites.
+    plan = without("round-3/aggregate/model")
+    trains = {dict(w)["round"] for name, w in plan if name == "train"}
+    merges = {dict(w)["round"] for name, w in plan if name == "aggregate"}
+    assert trains == {str(r) for r in range(4, ROUNDS + 1)} and merges == {
+        str(r) for r in range(3, ROUNDS + 1)
+    }
+    assert {name for name, _ in plan} & {
+        "tokenize",
+        "download_data",
+        "download_model",
+        "train_pooled",
+    } == set()
+    # A shard: its tokenize job, its site's manifest, and on from there (beta's training, every merge).
+    plan = without("data/beta/train/shard-1")
+    assert [w for name, w in plan if name == "tokenize"] == [
+        (("shard", "1"), ("site", "beta"), ("split", "train"))
+    ]
+    assert ("tokenize_manifest", (("site", "beta"),)) in plan and (
+        "train",
+        (("round", "1"), ("site", "beta")),
+    ) in plan
+    assert ("train", (("round", "1"), ("site", "alpha"))) not in plan
+    # Back as it was: nothing to do.
+    assert planned(copy) == set()
+
+
+def test_a_run_started_from_this_runs_model_leaves_it_with_nothing_to_do(demo, tmp_path):
+    """Issue 37: model.source local with a path into a finished run's results. The new run's download
+    links the model's files, not Snakemake's marker, so finishing it does not make the finished run look
+    outdated (before: it replanned everything from tokenize, "Updated input files: .../model/base")."""
+    _, workdir = demo
+    copy = copy_of_the_run(workdir, tmp_path / "run")
+    config = demo_config()
+    config["run"] = "second"
+    config["model"] = {"source": "local", "path": "results/demo/model/base", "dtype": "float32"}
+    (copy / "second.yaml").write_text(json.dumps(config))
+    shutil.copy2(copy / "config.yaml", copy / "first.yaml")
+    shutil.copy2(copy / "second.yaml", copy / "config.yaml")
+    snakemake(copy, "results/second/model/base")
+    source, linked = copy / "results/demo/model/base", copy / "results/second/model/base"
+    assert (linked / "model.safetensors").stat().st_ino == (source / "model.safetensors").stat().st_ino
+    assert (linked / ".snakemake_timestamp").stat().st_ino != (source / ".snakemake_timestamp").stat().st_ino
+    shutil.copy2(copy / "first.yaml", copy / "config.yaml")
+    assert nothing_to_do(snakemake(copy, "-n"))
+
+
+def test_each_site_carries_the_identity_of_the_base_it_started_from(demo):
+    """Round 1's models name the downloaded base (one sha256 of its files), which the aggregation compares
+    with its own; later rounds start from an aggregate and name none."""
+    run, _ = demo
+    base = json.loads((run / "model" / "base" / "fedtune-source.json").read_text())
+    assert set(base["file_sha256"]) >= {"config.json", "model.safetensors", "tokenizer.json"}
+    for site in ("alpha", "beta"):
+        first = json.loads((run / "round-1" / site / "model" / "training.json").read_text())
+        assert first["base"] == {"identity": base["identity"], "commit": None}
+        assert json.loads((run / "round-2" / site / "model" / "training.json").read_text())["base"] is None

@@ -161,6 +161,31 @@ def test_local_model_is_validated_and_copied(tiny_model_dir, tmp_path):
     assert load_causal_lm(out).config.num_hidden_layers == 2
 
 
+def test_a_local_model_from_another_run_shares_no_tool_marker_with_it(tiny_model_dir, tmp_path):
+    """model.source local pointing into another run's results (issue 37): the model's files are linked,
+    Snakemake's marker of that run's directory output is not, so the new run touching its own marker
+    leaves the source run's untouched (and with it that run's "Nothing to be done")."""
+    import os
+    import shutil
+
+    source = tmp_path / "results" / "first" / "model" / "base"
+    shutil.copytree(tiny_model_dir, source)
+    marker = source / ".snakemake_timestamp"
+    marker.touch()
+    os.utime(marker, ns=(1_000_000_000, 1_000_000_000))
+    before = marker.stat()
+    out = tmp_path / "results" / "second" / "model" / "base"
+    download_model(ModelOptions.from_mapping({"source": "local", "path": str(source)}), out)
+    assert not (out / ".snakemake_timestamp").exists()
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
+    assert {p.name for p in source.iterdir()} - {p.name for p in out.iterdir()} == {".snakemake_timestamp"}
+    (out / ".snakemake_timestamp").touch()  # what Snakemake does when the download job ends
+    after = marker.stat()
+    assert (after.st_ino, after.st_nlink, after.st_mtime_ns) == (before.st_ino, 1, before.st_mtime_ns)
+    # The model's own files still come over, linked where the file system allows it.
+    assert (out / "model.safetensors").stat().st_ino == (source / "model.safetensors").stat().st_ino
+
+
 @pytest.fixture
 def offline_hub(tiny_model_dir, tmp_path, monkeypatch):
     """The tiny model as the hub model fedtune-test/tiny at a pinned commit, served offline from a local
@@ -196,6 +221,61 @@ def test_hf_model_is_fetched_as_files_without_loading_it(offline_hub, tiny_model
 
     assert next(load_causal_lm(out, dtype="bfloat16").parameters()).dtype == torch.bfloat16
     assert next(load_causal_lm(out).parameters()).dtype == torch.float32
+
+
+def test_a_hub_download_at_a_branch_pins_the_commit_and_every_files_sha256(offline_hub, tmp_path):
+    """model.revision main (a branch): the record says which commit the hub resolved it to, and the
+    sha256 of every file with one hash of them all, the base's identity that training carries on."""
+    from fedtune.core.checksums import folder_identity, sha256_file
+
+    out = tmp_path / "base"
+    download_model(ModelOptions.from_mapping({"source": "hf", "name": "fedtune-test/tiny"}), out)
+    record = json.loads((out / "fedtune-source.json").read_text())
+    assert record["revision"] == "main" and record["commit"] == offline_hub, record
+    files = {p.name for p in out.iterdir() if p.name != "fedtune-source.json"}
+    assert set(record["file_sha256"]) == files and "model.safetensors" in files
+    assert all(record["file_sha256"][name] == sha256_file(out / name) for name in files)
+    assert record["identity"] == folder_identity(record["file_sha256"])
+
+
+def test_a_branch_revision_is_named_with_a_commit_to_pin(offline_hub, tmp_path):
+    from fedtune.download.hub_model import revision_advice
+
+    def advice(revision, base=tmp_path / "none"):
+        return revision_advice(
+            ModelOptions.from_mapping({"source": "hf", "name": "fedtune-test/tiny", **revision}), base
+        )
+
+    # The branch as this machine's hub cache resolved it, when no download recorded one yet.
+    assert "model.revision 'main' is a branch or tag" in advice({})
+    assert f"model.revision: {offline_hub} (what main pointed to" in advice({"revision": "main"})
+    assert "huggingface.co/fedtune-test/tiny/commits/v2" in advice({"revision": "v2"})
+    assert advice({"revision": offline_hub}) is None
+    # The commit this run's base was downloaded at, when there is one.
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "fedtune-source.json").write_text(json.dumps({"commit": "c" * 40}))
+    assert f"model.revision: {'c' * 40} (what {base} was downloaded at)" in advice({}, base)
+
+
+def test_the_dry_run_warns_about_a_branch_revision(tmp_path, offline_hub, monkeypatch):
+    """At parse time, on stderr: the dry run of a config naming a hub model by a branch."""
+    import huggingface_hub.constants
+
+    from .workflow_harness import demo_config, snakemake, write_config
+
+    config = demo_config()
+    config["model"] = {"source": "hf", "name": "fedtune-test/tiny", "revision": "main", "dtype": "float32"}
+    write_config(tmp_path, config)
+    monkeypatch.setenv("HF_HUB_CACHE", huggingface_hub.constants.HF_HUB_CACHE)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = snakemake(tmp_path, "-n", "results/demo/data/alpha/manifest.json")
+    assert "fedtune: warning: model.revision 'main' is a branch or tag" in result.stderr, result.stderr
+    assert f"model.revision: {offline_hub}" in result.stderr
+    config["model"]["revision"] = offline_hub
+    write_config(tmp_path, config)
+    result = snakemake(tmp_path, "-n", "results/demo/data/alpha/manifest.json")
+    assert "model.revision" not in result.stderr, result.stderr
 
 
 def test_a_truncated_hub_download_is_refused_by_name(offline_hub, tmp_path):

@@ -380,7 +380,7 @@ def test_apptainer_deployment_trains_inside_the_image(monkeypatch, tmp_path):
     for method in ("apptainer", None):
         extra = ["--software-deployment-method", method] if method else []
         result = snakemake(tmp_path, "-n", "-p", "--forceall", "results/demo/round-1/alpha/model", *extra)
-        (launch,) = [line for line in result.stdout.splitlines() if "scripts/launch" in line]
+        (launch,) = [line for line in result.stdout.splitlines() if "$FEDTUNE_LAUNCH" in line]
         in_image = "--container /images/fedtune.sif -- python -m fedtune.train" in launch
         assert in_image == (method == "apptainer"), launch
 

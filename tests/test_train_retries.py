@@ -43,7 +43,7 @@ def workflow_rules(workdir, exec_mode) -> dict:
 
 def launches_training(rule) -> bool:
     shell = rule.shellcmd or ""
-    return "params.launcher" in shell or "-m fedtune.train" in shell
+    return "FEDTUNE_LAUNCH" in shell or "-m fedtune.train" in shell
 
 
 @pytest.fixture(scope="module")

@@ -40,14 +40,22 @@ def write_config(workdir: Path, config: dict) -> Path:
     return path
 
 
-def snakemake(workdir: Path, *args: str, profile: str = "local", check: bool = True, timeout: int = 1500):
+def snakemake(
+    workdir: Path,
+    *args: str,
+    profile: str = "local",
+    check: bool = True,
+    timeout: int = 1500,
+    root: Path = ROOT,
+):
+    """Snakemake of the checkout `root` (this one unless a test moved a copy elsewhere) on workdir."""
     env = dict(os.environ, PATH=f"{VENV_BIN}:{os.environ['PATH']}")
     command = [
         f"{VENV_BIN}/snakemake",
-        "--snakefile", str(ROOT / "Snakefile"),
+        "--snakefile", str(root / "Snakefile"),
         "--directory", str(workdir),
         "--configfile", str(workdir / "config.yaml"),
-        "--profile", str(ROOT / "profiles" / profile),
+        "--profile", str(root / "profiles" / profile),
         *args,
     ]  # fmt: skip
     result = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)

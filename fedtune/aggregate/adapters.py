@@ -36,6 +36,7 @@ import torch
 from fedtune.aggregate.adapter_size import pattern_value
 from fedtune.aggregate.merge import (
     STATE_RECORD,
+    check_same_base,
     manifest_tokens,
     normalised,
     parse_pairs,
@@ -709,6 +710,7 @@ def aggregate_adapters(
     if state_path is not None:
         read_state_record(state_path, optimizer, AdapterAggregateError)
     pairs = _site_folders(adapters)
+    check_same_base(dict(pairs), start if start is not None else merge_into)
     shard_limit = parse_size(max_shard_size)
     loaded = [read_adapter(site, path) for site, path in pairs]
     source, raw = _weights(weights, [a.site for a in loaded], manifests)

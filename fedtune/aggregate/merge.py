@@ -34,7 +34,7 @@ from fedtune.aggregate.model_compat import CONFIG_FILE, COPIED_FILES, compatibil
 from fedtune.aggregate.server_optimizers import slots, step
 from fedtune.core import cli, token_counts
 from fedtune.core.atomic import atomic_dir, write_json
-from fedtune.core.checksums import sha256_file
+from fedtune.core.checksums import SOURCE_RECORD, sha256_file
 from fedtune.core.config import (
     AggregateOptions,
     ConfigError,
@@ -267,6 +267,44 @@ def read_server_state(path: Path, optimizer: ServerOptimizerOptions, order: Sequ
     return record, folder
 
 
+def _base_record(path: Path, key: str | None) -> dict | None:
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    record = record.get(key) if key else record
+    return record if isinstance(record, dict) and record.get("identity") else None
+
+
+def check_same_base(models: Mapping[str, str | Path], start: str | Path | None = None) -> None:
+    """Refuse sites that trained from different downloads of the base model: each cluster downloads it
+    separately, and a branch (model.revision main) may move between two downloads. A site model of round 1
+    names the base it started from (training.json's `base`), the start model of round 1 (the downloaded
+    base) its own (fedtune-source.json's `identity`, one sha256 of its files). A folder without the record
+    (a later round's, or a model trained elsewhere) is not compared."""
+    seen: dict[str, dict] = {}
+    if start is not None and (record := _base_record(Path(start) / SOURCE_RECORD, None)):
+        seen[f"the start model {start}"] = record
+    for site, folder in models.items():
+        # training.json: the train stage's summary beside the weights (fedtune.train.loop).
+        if record := _base_record(Path(folder) / "training.json", "base"):
+            seen[f"site {site} ({folder})"] = record
+    if len({record["identity"] for record in seen.values()}) < 2:
+        return
+    (ref, ref_record), *others = seen.items()
+
+    def named(who, record):
+        return f"{who}: base {record['identity']} (hub commit {record.get('commit') or 'none recorded'})"
+
+    differing = [named(who, r) for who, r in others if r["identity"] != ref_record["identity"]]
+    raise AggregateError(
+        "the sites trained from different base models (each cluster downloads it; a branch such as "
+        f"`main` may have moved between the downloads): {'; '.join(differing)}; against "
+        f"{named(ref, ref_record)}. Pin model.revision to one commit, delete model/base where the base "
+        "differs, and run again there"
+    )
+
+
 def check_compatible(models: Sequence[SiteModel], start: SiteModel | None = None) -> None:
     """Raise AggregateError listing every way a site (or the start model) differs from the first site."""
     problems = compatibility_problems(models, start)
@@ -339,6 +377,7 @@ def aggregate(
         and not (options.rows_by_counts and options.vocab_factor(len(models)) != 1)
     )
     _check_arguments(options, models, start, server_state_out, plain)
+    check_same_base(models, start)
     manifests = {site: Path(p) for site, p in (manifests or {}).items()}
     sites = list(models)
     tokens = _manifest_tokens(manifests, sites)

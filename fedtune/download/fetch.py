@@ -20,13 +20,14 @@ Hub tokens come from the environment (HF_TOKEN), never from the config or the co
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
 import sys
 from pathlib import Path
 
-from fedtune.core import cli
+from fedtune.core import checksums, cli
 from fedtune.core.atomic import atomic_dir, write_json
 from fedtune.core.config import (
     CAUSAL_LM,
@@ -233,13 +234,30 @@ def _corpus_texts(corpora: list[dict], max_documents: int | None):
 
 
 def _copy_model_dir(source: Path, dest: Path) -> None:
+    """Link (or copy) the model's own files: every plain file but the hidden ones. A hidden file in a
+    model folder is a tool's, never the model's (transformers reads named files): Snakemake's
+    `.snakemake_timestamp` in a directory output, rsync's temporaries, an editor's swap file. Linked,
+    Snakemake's marker would be one inode in both runs, and the new run touching its own would make the
+    source run's outputs look newer than everything after them there (issue 37). Named files of every
+    kind are kept, so that a folder's remote code (`*.py`) and tokenizer files of any format come along.
+    """
     for path in source.iterdir():
-        if path.is_file():
+        if path.is_file() and not path.name.startswith("."):
             try:
                 # A hard link costs no space for a 14 GB checkpoint on the same file system.
                 (dest / path.name).hardlink_to(path)
             except OSError:
                 shutil.copy2(path, dest / path.name)
+
+
+def _recorded_digests(folder: Path) -> dict[str, str]:
+    """The weights' sha256 as fedtune-checksums.json holds them (hashed once, when it was written)."""
+    from fedtune.core.models import CHECKSUMS
+
+    path = folder / CHECKSUMS
+    if not path.is_file():
+        return {}
+    return {name: entry["sha256"] for name, entry in json.loads(path.read_text()).items()}
 
 
 def download_model(
@@ -312,7 +330,11 @@ def download_model(
 
             fetched = hub_model.fetch(options, tmp)
             record.update(name=options.name, revision=options.revision, **fetched)
-        write_json(tmp / "fedtune-source.json", record)
+        # What was downloaded, pinned: each file's sha256 and one hash of them all, which every site's
+        # training records and the aggregation compares (two clusters download the base separately).
+        digests = checksums.folder_digests(tmp, _recorded_digests(tmp))
+        record.update(file_sha256=digests, identity=checksums.folder_identity(digests))
+        write_json(tmp / checksums.SOURCE_RECORD, record)
     print(f"saved the {source} model to {out}")
 
 

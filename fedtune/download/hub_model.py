@@ -15,6 +15,7 @@ Peak memory: benchmarks/hub_download.py (README there)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -141,4 +142,51 @@ def fetch(options: ModelOptions, dest: Path) -> dict:
         )
     models.load_tokenizer(dest, trust_remote_code=options.trust_remote_code)
     models.record_checksums(dest)
-    return {"files": files, "checkpoint_dtypes": dtypes, "snapshot": source.name}
+    # The hub cache keeps a revision's files under snapshots/<commit>: what a branch resolved to.
+    commit = source.name if is_commit(source.name) else None
+    return {"files": files, "checkpoint_dtypes": dtypes, "snapshot": source.name, "commit": commit}
+
+
+def is_commit(revision: str | None) -> bool:
+    """A full commit id (40 hex digits): the one kind of revision the hub never moves."""
+    return bool(revision) and re.fullmatch(r"[0-9a-f]{40}", revision) is not None
+
+
+def cached_commit(name: str, revision: str) -> str | None:
+    """The commit a branch or tag pointed to when this machine's hub cache last fetched it (its
+    refs/<revision> file), read offline; None when the cache has no such ref."""
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    ref = Path(HF_HUB_CACHE) / ("models--" + name.replace("/", "--")) / "refs" / revision
+    try:
+        commit = ref.read_text().strip()
+    except OSError:
+        return None
+    return commit if is_commit(commit) else None
+
+
+def revision_advice(options: ModelOptions, base_dir: Path) -> str | None:
+    """For the dry run: a hub model named by a branch or tag (model.revision `main`, the default) is
+    whatever the hub holds when each cluster's download runs, so two clusters may fine-tune different
+    weights. Says so and recommends a commit: the one this run's base model was downloaded at, else the
+    one the local hub cache resolved, else where to look it up. None for a commit or another source."""
+    if options.source != "hf" or is_commit(options.revision) or Path(options.name).is_dir():
+        return None
+    revision = options.revision or "main"
+    recorded = None
+    try:
+        recorded = json.loads((base_dir / "fedtune-source.json").read_text()).get("commit")
+    except (OSError, ValueError):
+        pass
+    if recorded:
+        where = f"{recorded} (what {base_dir} was downloaded at)"
+    elif commit := cached_commit(options.name, revision):
+        where = f"{commit} (what {revision} pointed to in this machine's hub cache)"
+    else:
+        where = f"the commit id that https://huggingface.co/{options.name}/commits/{revision} lists first"
+    return (
+        f"fedtune: warning: model.revision {revision!r} is a branch or tag, not a commit: each cluster "
+        f"downloads what it points to when its download runs, and the hub may move it in between "
+        f"(the aggregation then refuses the differing site). Pin a commit in the config: "
+        f"model.revision: {where}"
+    )

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 
 from fedtune.core import adapters, cli, token_counts, tracking
 from fedtune.core.atomic import atomic_dir, write_json, write_text
+from fedtune.core.checksums import SOURCE_RECORD
 from fedtune.core.config import CAUSAL_LM, CLASSIFICATION, ConfigError, TrackingOptions, TrainOptions
 from fedtune.core.models import load_model, load_tokenizer, save_model
 from fedtune.tokenize.blocks import BlockOrder, Blocks, manifest_shards, trained_tokens
@@ -415,6 +416,18 @@ def train(args: TrainJob, options: TrainOptions, plan: RoundPlan = RoundPlan()) 
     return 0
 
 
+def base_identity(init: Path) -> dict | None:
+    """The identity of a downloaded base model (its fedtune-source.json: one hash of its files, and the hub
+    commit); None for a start model that no download wrote (a previous round's aggregate)."""
+    try:
+        record = json.loads((Path(init) / SOURCE_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    if "identity" not in record:
+        return None
+    return {"identity": record["identity"], "commit": record.get("commit")}
+
+
 def summary(run: Setup, progress: TrainingProgress, started: float) -> dict:
     args, options, job, order = run.args, run.options, run.job, run.order
     step_time = progress.step_time_s(run.tokens_per_step)
@@ -450,6 +463,8 @@ def summary(run: Setup, progress: TrainingProgress, started: float) -> dict:
         "block_size": run.blocks.block_size,
         "blocks": len(run.blocks),
         "init": str(args.init),
+        # The downloaded base this model descends from (round 1), for the aggregation to compare.
+        "base": base_identity(args.init),
         "manifests": [str(m) for m in args.manifest],
         "optimizer_state": "kept" if args.optimizer_in else "new",
         "options": options.to_dict(),

@@ -198,6 +198,14 @@ ADAPTERS = any(site.train.adapter for site in RUN.sites.values())
 MERGES_IN_TRAINING = ADAPTERS and not aggregates_here()
 
 
+# A hub model named by a branch (model.revision main, the default): the dry run says so, with a commit to
+# pin (the clusters download it separately; issue 37).
+if RUN.model.source == "hf" and not workflow.remote_exec:
+    from fedtune.download.hub_model import revision_advice
+
+    if advice := revision_advice(RUN.model, Path(base_model_dir())):
+        print(advice, file=sys.stderr)
+
 if ADAPTERS and not workflow.remote_exec:
     from fedtune.aggregate.adapter_size import transfer_lines
 
@@ -238,7 +246,11 @@ def base_arg(wildcards, input):
 
 # Train jobs (rules train and train_sweep): Slurm resources and launcher arguments from the job's
 # train options, a site's (TrainOptions) or a sweep point's.
-LAUNCH = str(Path(workflow.basedir) / "scripts" / "launch")
+# The launcher reaches the train rule's shell through the environment, as the package does through
+# PYTHONPATH: a param or a literal path would be the checkout's absolute path, which Snakemake records with
+# every training, so that a moved or renamed checkout (or a scratch mount that resolves differently) made
+# every train job "Params have changed" (issue 37). Jobs inherit it; a Slurm job's Snakemake sets it again.
+os.environ["FEDTUNE_LAUNCH"] = str(Path(workflow.basedir) / "scripts" / "launch")
 SWEEP_POINTS = {point.label: point for point in RUN.sweep}
 SWEEP_HERE = bool(SWEEP_POINTS) and RUN.sweep_site in LOCAL_SITES
 
@@ -482,9 +494,8 @@ def task_args():
     return f"--tasks {scores} --task-names {names}"
 
 
-def downstream_inputs():
-    """The task YAMLs and their local data files (as the config check found them): an edit reruns the
-    download and the scores."""
+def downstream_files():
+    """The task YAMLs and their local data files, as the config check found them."""
     from fedtune.core.config import read_task_yaml, resolve_path, task_data_files
 
     files = []
@@ -496,6 +507,16 @@ def downstream_inputs():
         for paths in task_data_files(document).values():
             files += [str(resolve_path(p, Path("."))) for p in paths if "://" not in p]
     return files
+
+
+def downstream_sources(wildcards):
+    """sha256 of the task YAMLs and their data files, a param: an edit reruns the download and the scores.
+    Not inputs: a task shipped in workflow/tasks is found in the checkout, by an absolute path when the
+    working directory is elsewhere, and a moved checkout would change the recorded set of input files.
+    """
+    from fedtune.core.checksums import sha256_file
+
+    return [sha256_file(path) for path in downstream_files()]
 
 
 # Multi-cluster federation: what crosses between clusters, who moves it, and how (fedtune.core.transfer).
@@ -627,34 +648,81 @@ def push_args(wildcards):
 
 
 def tokenized_outputs():
-    """Every shard is a target in its own right: Snakemake then notices a deleted shard and redoes it
-    and what depends on it (a missing intermediate file alone does not trigger a rerun).
-    """
+    """Every shard and this cluster's manifests."""
     shards = [
         d for site in LOCAL_SITES for split in SPLITS for d in shard_dirs(site, split)
     ]
     return shards + [manifest_path(site) for site in LOCAL_SITES]
 
 
+def stage_outputs():
+    """Every stage's output in this cluster's part of the run, each a target of rule all in its own right.
+    Snakemake reruns a job whose output is missing only when that output is a target: a missing
+    intermediate output alone triggers nothing while what was made from it exists (that is how `temp()`
+    works), so a deleted site model, aggregate or evaluation would otherwise never be redone (issue 37).
+    As targets, each is redone when deleted, and everything made from it after it (docs/reliability.md).
+    Not the optimizers' states (an aggregate's server_state, a site's optimizer): only the next round
+    reads them, and docs/federation.md lets the older rounds' be deleted to save space. The list is the
+    DAG's own files, no more: a target that no rule here makes would stop the run.
+    """
+    if not aggregates_here() and not LOCAL_SITES:
+        return []  # nothing of this run is made here
+    raw_sites = (
+        SITES if aggregates_here() or RUN.model.source == "init" else LOCAL_SITES
+    )
+    outputs = [base_model_dir(), *(raw_data_dir(site) for site in raw_sites)]
+    outputs += tokenized_outputs()
+    if not aggregates_here():
+        outputs += [site_model_dir(r, site) for r in ROUNDS for site in LOCAL_SITES]
+        # What the models' cluster sends back for the next round; with adapters, each local site's
+        # start model that its training job merges from it.
+        outputs += [
+            aggregate_adapter_dir(r) if ADAPTERS else aggregate_model_dir(r)
+            for r in ROUNDS[:-1]
+        ]
+        if MERGES_IN_TRAINING:
+            outputs += [
+                site_start_dir(r, site) for r in ROUNDS[1:] for site in LOCAL_SITES
+            ]
+    else:
+        # Other clusters' manifests and models arrive here (fetch_manifest, fetch_site_model).
+        outputs += [manifest_path(site) for site in REMOTE_SITES]
+        outputs += [site_model_dir(r, site) for r in ROUNDS for site in SITES]
+        for r in ROUNDS:
+            outputs.append(aggregate_model_dir(r))
+            if ADAPTERS:
+                outputs.append(aggregate_adapter_dir(r))
+            outputs += [round_model_dir(r, model) for model in round_models(r)]
+        if RUN.pooled:
+            outputs.append(pooled_model_dir())
+        outputs += EVAL_RESULTS
+        if DOWNSTREAM:
+            outputs += [tasks_dir(), *TASK_RESULTS]
+        outputs += [
+            str(f) for f in [*rules.report_settings.output, *rules.report.output]
+        ]
+    if SWEEP_HERE:
+        outputs += [
+            str(f) for f in [*rules.sweep_report.input.runs, *rules.sweep_report.output]
+        ]
+    return list(dict.fromkeys(outputs))
+
+
 def get_final_output(wildcards=None):
-    """Where the models meet: the report (which needs every stage), and with evaluate.tasks the task
-    scores and their report tables. Elsewhere: this cluster's sites' models of every round. Everywhere
-    in a multi-cluster federation: what the other clusters need from this one, marked or sent. Plus the scaling sweep's report where its site trains.
+    """Every stage's output of this cluster's part of the run (stage_outputs): where the models meet the
+    report, which needs every stage, and with evaluate.tasks the task scores and their report tables;
+    elsewhere this cluster's sites' models of every round. Everywhere in a multi-cluster federation: what
+    the other clusters need from this one, marked or sent. Plus the scaling sweep's report where its
+    site trains.
     """
     if wildcards is not None:  # as rule all's input function, while the DAG is built
         announce_jobs_per_round()
     if RUN.smoke:
         # The smoke test (config key smoke): this cluster's training jobs, nothing after them.
         return [site_model_dir(1, site) for site in LOCAL_SITES]
-    targets = tokenized_outputs() + sent_targets()
-    if aggregates_here():
-        targets.append(run_path("report", f"{REPORT_METRIC}.csv"))
-    else:
-        targets += [site_model_dir(r, site) for r in ROUNDS for site in LOCAL_SITES]
+    targets = stage_outputs() + sent_targets()
     if aggregates_here() and DOWNSTREAM:
-        targets += TASK_RESULTS + [task_table(name, "csv") for name in DOWNSTREAM_NAMES]
-    if SWEEP_HERE:
-        targets.append(run_path("report", "sweep.csv"))
+        targets += [task_table(name, "csv") for name in DOWNSTREAM_NAMES]
     return targets
 
 

@@ -61,8 +61,6 @@ rule download_model:
 
 
 rule download_tasks:
-    input:
-        downstream_inputs(),
     output:
         # Task YAML copies, their data files, the hub data sets (datasets' cache) and tasks.json.
         directory(tasks_dir()),
@@ -75,5 +73,6 @@ rule download_tasks:
         CONTAINER
     params:
         tasks=[task.entry for task in DOWNSTREAM],
+        sources=downstream_sources,
     shell:
         "python -m fedtune.download tasks --tasks {params.tasks:q} --out {output:q} > {log:q} 2>&1"

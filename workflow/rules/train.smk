@@ -48,7 +48,6 @@ rule train:
         # The job's shell then runs in the allocation itself, and scripts/launch's srun starts the tasks.
         mpi=lambda wc: "srun" if train_job_options(wc).job_launcher != "local" else None,
     params:
-        launcher=LAUNCH,
         launch=train_launch_args,
         site=lambda wc: wc.site,
         options=lambda wc: train_job_options(wc).to_json(),
@@ -63,7 +62,7 @@ rule train:
         tracking=lambda wc: tracking_args(),
     shell:
         # Appended, not overwritten: a resumed attempt keeps the log of the one it continues.
-        "{params.merge}{params.launcher:q} {params.launch} -- python -m fedtune.train --site {params.site}"
+        '{params.merge}"$FEDTUNE_LAUNCH" {params.launch} -- python -m fedtune.train --site {params.site}'
         " --init {params.start:q} --manifest {input.manifest:q} --options {params.options:q}"
         " --dtype {params.dtype} --checkpoints {params.checkpoints:q} --out {output.model:q}"
         " {params.round_args} {params.pickle} {params.summary_only} {params.tracking}"
