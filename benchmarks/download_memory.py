@@ -19,11 +19,12 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from hub_download import measured  # beside this script, on its path
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -65,20 +66,6 @@ def write_rows(path: Path, rows: int, seed: int) -> None:
             f.write(json.dumps({"text": f"{i}: {text}", "label": i % 4}) + "\n")
 
 
-def measured(command: list[str], env: dict) -> dict:
-    """Run command under a parent that reports the child's peak RSS (MB) and wall time."""
-    probe = (
-        "import resource, subprocess, sys, time, json\n"
-        "t = time.monotonic(); rc = subprocess.call(sys.argv[1:], stdout=subprocess.DEVNULL)\n"
-        "print(json.dumps({'rc': rc, 'seconds': round(time.monotonic() - t, 1),"
-        " 'peak_mb': round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)}))\n"
-    )
-    result = subprocess.run([sys.executable, "-c", probe, *command], env=env, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise SystemExit(result.stderr[-3000:])
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -117,7 +104,7 @@ def main() -> int:
                     shutil.rmtree(out, ignore_errors=True)
                     shutil.rmtree(cache, ignore_errors=True)
                     env = dict(os.environ, HF_DATASETS_CACHE=str(cache), PYTHONPATH=str(ROOT))
-                    result = measured([*command, str(out)], env)
+                    result = measured([*command, str(out)], env, quiet=True)
                     cached = (
                         sum(p.stat().st_size for p in cache.rglob("*") if p.is_file())
                         if cache.exists()

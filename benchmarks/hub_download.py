@@ -57,11 +57,12 @@ def hub_cache(root: Path, model_dir: Path, repo: str = REPO, revision: str = REV
     return root
 
 
-def measured(command: list[str], env: dict) -> dict:
-    """Run command under a parent that reports the child's peak RSS (MB) and wall time."""
+def measured(command: list[str], env: dict, *, quiet: bool = False) -> dict:
+    """Run command under a parent that reports the child's peak RSS (MB) and wall time (benchmarks/
+    download_memory.py uses it too); `quiet` drops the child's stdout."""
     probe = (
         "import resource, subprocess, sys, time, json\n"
-        "t = time.monotonic(); rc = subprocess.call(sys.argv[1:])\n"
+        f"t = time.monotonic(); rc = subprocess.call(sys.argv[1:]{', stdout=subprocess.DEVNULL' if quiet else ''})\n"
         "print(json.dumps({'rc': rc, 'seconds': round(time.monotonic() - t, 1),"
         " 'peak_mb': round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)}))\n"
     )
