@@ -1,4 +1,4 @@
-"""transfer: models and manifests cross between clusters with rsync, unattended (README, "Multi-cluster
+"""transfer: models and manifests cross between clusters with rsync, unattended (docs/running.md, "Multi-cluster
 federation").
 
     python -m fedtune.core.transfer mark --path results/<run>/round-1/beta/model \\
