@@ -78,6 +78,18 @@ def _smaps(pid: int) -> tuple[int, int] | None:
     return fields.get("Pss", 0), fields.get("Pss_Anon", 0)
 
 
+def _high_water_mark(pid: int) -> int:
+    """The process's peak resident set (kB, VmHWM), 0 once it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return 0
+    for line in text.splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    return 0
+
+
 def _train_processes(launcher_pid: int) -> list[int]:
     import psutil
 
@@ -159,6 +171,10 @@ def measure(
     reader.start()
     peak_pss = peak_anon = 0
     seen: set[int] = set()
+    # Each process's own peak as well, as the kernel keeps it (VmHWM): their sum depends neither on whether
+    # the processes' peaks met in time nor on the polling catching them, both of which the machine's load
+    # decides (a rank that starts late may load after the other freed its copy).
+    own_peak: dict[int, int] = {}
     try:
         while not loaded.is_set():
             if proc.poll() is not None:
@@ -166,12 +182,16 @@ def measure(
                 raise RuntimeError(f"train exited {proc.returncode} before loading:\n{''.join(lines[-40:])}")
             pids = _train_processes(proc.pid)
             seen.update(pids)
+            for pid in pids:
+                own_peak[pid] = max(own_peak.get(pid, 0), _high_water_mark(pid))
             readings = [r for r in map(_smaps, pids) if r is not None]
             peak_pss = max(peak_pss, sum(r[0] for r in readings))
             peak_anon = max(peak_anon, sum(r[1] for r in readings))
             if time.perf_counter() - started > 600:
                 raise RuntimeError("no model loaded within 600 s")
             time.sleep(0.01)
+        for pid in seen:  # the last look: a peak reached since the loop's
+            own_peak[pid] = max(own_peak.get(pid, 0), _high_water_mark(pid))
     finally:
         _stop(proc)
     return {
@@ -180,6 +200,7 @@ def measure(
         "processes_seen": len(seen),
         "peak_pss_mb": round(peak_pss / 1024, 1),
         "peak_pss_anon_mb": round(peak_anon / 1024, 1),
+        "own_peaks_rss_mb": round(sum(own_peak.values()) / 1024, 1),
         "seconds_to_loaded": round(time.perf_counter() - started, 1),
     }
 
@@ -204,7 +225,9 @@ def model_share(run: dict, baseline: dict, params: int) -> dict:
     copy_mb = 4 * params / 2**20
     pss = run["peak_pss_mb"] - baseline["peak_pss_mb"]
     anon = run["peak_pss_anon_mb"] - baseline["peak_pss_anon_mb"]
+    own = run["own_peaks_rss_mb"] - baseline["own_peaks_rss_mb"]
     return {
+        "copies_own_peaks": round(own / copy_mb, 3),
         "model_pss_mb": round(pss, 1),
         "model_anon_mb": round(anon, 1),
         "fp32_copy_mb": round(copy_mb, 1),

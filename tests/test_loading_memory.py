@@ -3,7 +3,8 @@ copies of the model on the node than one where every rank loads them (the per-ra
 comparison), and both paths start training from the same weights. The goal of at most 1.3 copies is the
 benchmark's (benchmarks/loading_memory.py: 1.09-1.11 on a quiet machine); here the figures move with the
 machine's load (1.364 once, 2.03 per rank, with the suite's three workers on 2 cores), so the test keeps
-margins that load did not come near."""
+margins that load did not come near: the distance to the per-rank path is read from each process's
+own peak (VmHWM), which no timing can hide."""
 
 from __future__ import annotations
 
@@ -48,11 +49,17 @@ def test_loading_once_holds_clearly_fewer_copies_than_loading_per_rank(models):
     assert once["processes_seen"] == per_rank["processes_seen"] == 2
     after = loading_memory.model_share(once, baseline, params)
     before = loading_memory.model_share(per_rank, baseline, params)
-    print(f"fp32 copies while loading: per rank {before['copies_pss']}, once {after['copies_pss']}")
+    print(
+        f"fp32 copies while loading, per rank / once: node {before['copies_pss']} / {after['copies_pss']}, "
+        f"own peaks {before['copies_own_peaks']} / {after['copies_own_peaks']}"
+    )
     assert after["copies_pss"] < BOUND, after
-    # Measured in the same run, so that load raises both: every rank converting its own bf16 checkpoint
-    # to fp32 holds about one copy more.
-    assert before["copies_pss"] - after["copies_pss"] >= MARGIN, (before, after)
+    # Every rank converting its own bf16 checkpoint to fp32 holds a whole copy at its own peak. Compared
+    # by the sum of each process's own peak as the kernel keeps it (VmHWM): under load the ranks' peaks
+    # need not meet in time and the polling misses some, and the node's summed peak of the per-rank path
+    # fell to the once path's (1.158 against 1.177 in the suite; 0.755 against 1.26 beside four busy
+    # loops), while the own peaks kept their distance (3.11 against 1.44 quiet, 2.53 against 1.66 loaded).
+    assert before["copies_own_peaks"] - after["copies_own_peaks"] >= MARGIN, (before, after)
 
 
 def test_both_paths_start_from_the_same_weights(tiny_model_dir, site_manifest, tmp_path, monkeypatch):

@@ -112,9 +112,10 @@ def run_launch(launch_args: list[str], environment: dict[str, str], folder: Path
 
 
 def launch_args(shell: str) -> list[str]:
-    """The options the train rule's shell gives scripts/launch (up to `--`)."""
+    """The options the train rule's shell gives scripts/launch (up to `--`); the shell names the launcher
+    as "$FEDTUNE_LAUNCH" (common.smk: no checkout path in a rule's command)."""
     words = shlex.split(shell)
-    start = next(i for i, word in enumerate(words) if word.endswith("scripts/launch"))
+    start = next(i for i, word in enumerate(words) if word in ("$FEDTUNE_LAUNCH", "${FEDTUNE_LAUNCH}"))
     return words[start + 1 : words.index("--", start)]
 
 

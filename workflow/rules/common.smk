@@ -250,7 +250,7 @@ def base_arg(wildcards, input):
 # PYTHONPATH: a param or a literal path would be the checkout's absolute path, which Snakemake records with
 # every training, so that a moved or renamed checkout (or a scratch mount that resolves differently) made
 # every train job "Params have changed" (issue 37). Jobs inherit it; a Slurm job's Snakemake sets it again.
-os.environ["FEDTUNE_LAUNCH"] = str(Path(workflow.basedir) / "scripts" / "launch")
+os.environ.update(FEDTUNE_LAUNCH=str(Path(workflow.basedir) / "scripts" / "launch"))
 SWEEP_POINTS = {point.label: point for point in RUN.sweep}
 SWEEP_HERE = bool(SWEEP_POINTS) and RUN.sweep_site in LOCAL_SITES
 
