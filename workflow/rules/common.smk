@@ -194,7 +194,9 @@ def init_model_dir(round):
 # model on every cluster, and the next round starts from that with fresh adapters. Where the models meet
 # rule merge_adapter does it in the round's merge job; on the other clusters each training job of round
 # r >= 2 does it first (rule train_merging), so that a round costs one Slurm job per training there.
-ADAPTERS = any(site.train.adapter for site in RUN.sites.values())
+from fedtune.core.crossings import uses_adapters
+
+ADAPTERS = uses_adapters(RUN)
 MERGES_IN_TRAINING = ADAPTERS and not aggregates_here()
 
 
