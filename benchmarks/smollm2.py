@@ -9,13 +9,26 @@ round, and the whole run's wall time.
     .venv/bin/python benchmarks/smollm2.py --workdir /tmp/s --rounds 2 --steps 2 --micro-batch 2 \\
         --documents 20 --eval-documents 1                                            # the test's cut
 
-Needs the model: scripts/setup-env --smollm2 (or scripts/fetch-smollm2)."""
+Needs the model: scripts/setup-env --smollm2 (or scripts/fetch-smollm2).
+
+On a GPU machine (issue 41; benchmarks/gpu-checks/workflow.sh), with the settings a user would choose there
+(bf16 mixed precision, one GPU per train job, evaluation in bf16 at a larger batch), and the GGUF file
+wherever it lies:
+
+    python benchmarks/smollm2.py --workdir /tmp/g --gpu --gguf /path/SmolLM2-135M-Instruct.Q4_1.gguf \
+        --snakemake-args="--scheduler greedy"
+
+The JSON then also gives each stage's wall time (from Snakemake's log), train tokens/s (from each train
+job's training.json) and evaluate tokens/s (scored tokens over each evaluation's wall time, model load
+included)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 import time
@@ -31,7 +44,7 @@ GGUF = ROOT / ".cache" / "models" / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf
 def config_for(args) -> dict:
     name = "smollm2-it-cs-lora" if args.lora else "smollm2-it-cs"
     config = yaml.safe_load((ROOT / "config" / "examples" / f"{name}.yaml").read_text())
-    config["model"]["path"] = str(GGUF)
+    config["model"]["path"] = str(args.gguf)
     for site in config["sites"].values():
         files = site["dataset"]["data_files"]
         for split, path in files.items():
@@ -49,7 +62,60 @@ def config_for(args) -> dict:
         train.update(micro_batch=args.micro_batch, global_batch=args.micro_batch)
     if args.eval_documents:
         config["evaluate"]["max_documents"] = args.eval_documents
+    if args.gpu:
+        train.update(precision="bf16", gpus_per_node=1, device="cuda")
+        config["evaluate"].update(dtype="bfloat16", batch_size=16)
     return config
+
+
+STAMP = re.compile(r"^\[(\w{3} \w{3} +\d+ \d\d:\d\d:\d\d \d{4})\]$")
+STARTED = re.compile(r"^(?:local)?rule (\w+):$")
+JOBID = re.compile(r"^\s+jobid: (\d+)$")
+FINISHED = re.compile(r"^Finished jobid: (\d+) \(Rule: (\w+)\)$")
+
+
+def stage_times(workdir: Path) -> dict:
+    """Each rule's jobs, summed job time and span (first start to last end), from Snakemake's newest log:
+    a time stamp line, then `rule NAME:` ... `jobid: N` at a start, `Finished jobid: N (Rule: NAME)` at an
+    end."""
+    logs = sorted((workdir / ".snakemake" / "log").glob("*.snakemake.log"))
+    if not logs:
+        return {}
+    starts, rules, spans = {}, {}, {}
+    stamp = rule = None
+    for line in logs[-1].read_text().splitlines():
+        if m := STAMP.match(line):
+            stamp, rule = time.mktime(time.strptime(m[1], "%a %b %d %H:%M:%S %Y")), None
+        elif (m := STARTED.match(line)) and stamp is not None:
+            rule = m[1]
+        elif (m := JOBID.match(line)) and rule is not None:
+            starts[m[1]], rules[m[1]] = stamp, rule
+            rule = None
+        elif (m := FINISHED.match(line)) and m[1] in starts:
+            name, begin = m[2], starts[m[1]]
+            jobs, total, first, last = spans.get(name, (0, 0.0, begin, stamp))
+            spans[name] = (jobs + 1, total + stamp - begin, min(first, begin), max(last, stamp))
+    return {name: {"jobs": jobs, "job_s": round(total), "span_s": round(last - first)}
+            for name, (jobs, total, first, last) in spans.items()}  # fmt: skip
+
+
+def speeds(run: Path) -> dict:
+    """Train tokens/s of each training (its training.json) and evaluate tokens/s of each evaluation."""
+    train = [json.loads(p.read_text()).get("tokens_per_s") for p in run.glob("**/model/training.json")]
+    evals = [
+        json.loads(p.read_text())
+        for p in [
+            *run.glob("eval/base/*.json"),
+            *run.glob("round-*/eval/*/*.json"),
+            *run.glob("pooled/eval/*.json"),
+        ]
+    ]
+    evals = [e for e in evals if e.get("tokens") and e.get("wall_time_s")]
+    return {
+        "train_tokens_per_s": sorted(round(t) for t in train if t),
+        "evaluate_tokens_per_s": sorted(round(e["tokens"] / e["wall_time_s"]) for e in evals),
+        "evaluate_device": sorted({e.get("device", "?") for e in evals}),
+    }  # fmt: skip
 
 
 def job_times(run: Path) -> dict:
@@ -80,17 +146,21 @@ def main(argv=None) -> int:
     parser.add_argument("--micro-batch", type=int, help="blocks per step (micro batch = global batch)")
     parser.add_argument("--documents", type=int, help="documents per site and split (dataset.max_documents)")
     parser.add_argument("--eval-documents", type=int, help="evaluate.max_documents")
+    parser.add_argument("--gguf", type=Path, default=GGUF, help="the model's GGUF file")
+    parser.add_argument("--gpu", action="store_true", help="bf16, one GPU per train job, bf16 evaluation")
+    parser.add_argument("--snakemake-args", default="", help="more arguments for snakemake (one string)")
     args = parser.parse_args(argv)
-    if not GGUF.is_file():
-        sys.exit(f"{GGUF}: missing; run scripts/fetch-smollm2")
+    if not args.gguf.is_file():
+        sys.exit(f"{args.gguf}: missing; run scripts/fetch-smollm2")
     args.workdir.mkdir(parents=True, exist_ok=True)
     config = config_for(args)
     (args.workdir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     bin_dir = Path(sys.executable).parent
     started = time.monotonic()
     subprocess.run(
-        [str(bin_dir / "snakemake"), "--snakefile", str(ROOT / "Snakefile"), "--directory", str(args.workdir),
-         "--configfile", str(args.workdir / "config.yaml"), "--profile", str(ROOT / "profiles" / "local")],
+        [sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile"), "--directory", str(args.workdir),
+         "--configfile", str(args.workdir / "config.yaml"), "--profile", str(ROOT / "profiles" / "local"),
+         *shlex.split(args.snakemake_args)],
         check=True, env=dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}"),
     )  # fmt: skip
     wall = time.monotonic() - started
@@ -108,7 +178,8 @@ def main(argv=None) -> int:
         "config": {"lora": args.lora, "rounds": rounds, "train": {k: config["train"][k] for k in
                    ("max_steps", "micro_batch", "global_batch", "lr")}, "documents": args.documents,
                    "eval_documents": config["evaluate"]["max_documents"]},
-        "perplexity": perplexity, "gap_to_pooled": gap, "jobs": job_times(run),
+        "gpu": args.gpu, "perplexity": perplexity, "gap_to_pooled": gap, "jobs": job_times(run),
+        "stages": stage_times(args.workdir), **speeds(run),
         "site_sends_bytes": sent, "base_model_bytes": base, "wall_s": round(wall, 1),
     }, indent=2))  # fmt: skip
     return 0

@@ -67,9 +67,23 @@ def selective_checkpointing(model, every: int = 2) -> list[int]:
     Returns the indices of the checkpointed layers."""
     if every < 1:
         raise ValueError(f"selective_checkpointing: every={every}; needs 1 or more")
-    model.activation_checkpointing_enable(
-        activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=every
-    )
+    kwargs = {"use_reentrant": False}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every)
+    else:
+        # transformers before 5.2x (5.17 on the GPU image of issue 41, where this raised AttributeError):
+        # what activation_checkpointing_enable does, on the chosen layers. A decoder layer
+        # (GradientCheckpointingLayer) recomputes while its own `gradient_checkpointing` is set, through
+        # its `_gradient_checkpointing_func`.
+        import functools
+
+        from torch.utils.checkpoint import checkpoint
+
+        for i, layer in enumerate(decoder_layers(model)):
+            if i % every == 0:
+                layer.gradient_checkpointing = True
+                layer._gradient_checkpointing_func = functools.partial(checkpoint, **kwargs)
     return [i for i, layer in enumerate(decoder_layers(model)) if layer.gradient_checkpointing]
 
 
