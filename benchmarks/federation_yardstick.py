@@ -118,7 +118,10 @@ class Cell:
             for split, texts in (("train", site.train), ("test", site.test)):
                 with (folder / f"{split}.jsonl").open("w") as f:
                     f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
-            splits = {"train": Dataset.from_dict({"text": site.train}), "test": Dataset.from_dict({"text": site.test})}
+            splits = {
+                "train": Dataset.from_dict({"text": site.train}),
+                "test": Dataset.from_dict({"text": site.test}),
+            }
             DatasetDict(splits).save_to_disk(str(self.work / "raw" / name))
 
     def _base_model(self) -> None:
@@ -172,7 +175,9 @@ class Cell:
         options = next(iter(self.run.values())).evaluate
         result = {}
         for site, ids in self.test_ids.items():
-            nll, scored, _ = score(model, ids, options.max_length, options.stride, options.batch_size, desc=site)
+            nll, scored, _ = score(
+                model, ids, options.max_length, options.stride, options.batch_size, desc=site
+            )
             result[site] = math.exp(nll / scored)
         return result
 
@@ -289,8 +294,63 @@ def _append(path: Path, rows: list[dict]) -> None:
     frame.to_csv(path, mode="a", header=not path.is_file(), index=False)
 
 
+CELL = ["half", "split", "sites", "participation", "rounds", "steps"]
+
+
+def best_factors(frame: pd.DataFrame) -> pd.DataFrame:
+    """Each model's best lr factor in each cell: the lowest mean log perplexity over sites and seeds."""
+    frame = frame.assign(log=np.log(frame.perplexity))
+    means = frame.groupby([*CELL, "model", "lr_factor"], as_index=False)["log"].mean()
+    return means.loc[means.groupby([*CELL, "model"])["log"].idxmin(), [*CELL, "model", "lr_factor"]]
+
+
+def gaps(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per cell, strategy, seed and site: the gap to the best pooled model of the grid (each model at
+    its own best factor), the gap to the pooled model at the sites' lr (x1), and the ratio to FedAvg."""
+    best = best_factors(frame)
+    at_best = frame.merge(best, on=[*CELL, "model", "lr_factor"])
+    keys = [*CELL, "seed", "site"]
+    pooled = at_best[at_best.model == "pooled"][[*keys, "perplexity", "lr_factor"]]
+    pooled = pooled.rename(columns={"perplexity": "pooled_best", "lr_factor": "pooled_factor"})
+    pooled_x1 = frame[(frame.model == "pooled") & (frame.lr_factor == 1)][[*keys, "perplexity"]]
+    fedavg = at_best[at_best.model == "fedavg"][[*keys, "perplexity"]].rename(
+        columns={"perplexity": "fedavg"}
+    )
+    rows = at_best[at_best.model != "pooled"].merge(pooled, on=keys)
+    rows = rows.merge(pooled_x1.rename(columns={"perplexity": "pooled_x1"}), on=keys, how="left")
+    rows = rows.merge(fedavg, on=keys, how="left")
+    return rows.assign(
+        gap=rows.perplexity / rows.pooled_best,
+        gap_x1=rows.perplexity / rows.pooled_x1,
+        vs_fedavg=rows.perplexity / rows.fedavg,
+    )
+
+
+def summarise(frame: pd.DataFrame) -> str:
+    """The Markdown table of yardstick.md: per cell and strategy, over seeds, the geometric mean and the
+    worst site's gap (mean over seeds, worst seed), against the best pooled model and the pooled model
+    at x1, and the worst site's ratio to FedAvg."""
+    rows = gaps(frame)
+    per_seed = rows.groupby([*CELL, "model", "seed"]).agg(
+        factor=("lr_factor", "first"), pooled_factor=("pooled_factor", "first"),
+        geo=("gap", lambda g: float(np.exp(np.log(g).mean()))), worst=("gap", "max"),
+        geo_x1=("gap_x1", lambda g: float(np.exp(np.log(g).mean()))),
+        vs_fedavg=("vs_fedavg", "max"),
+        vs_fedavg_geo=("vs_fedavg", lambda g: float(np.exp(np.log(g).mean()))),
+    )  # fmt: skip
+    cells = per_seed.groupby([*CELL, "model"]).agg(
+        seeds=("geo", "size"), lr=("factor", "first"), pooled_lr=("pooled_factor", "first"),
+        geo_mean=("geo", "mean"), geo_worst=("geo", "max"), site_mean=("worst", "mean"),
+        site_worst=("worst", "max"), geo_x1_mean=("geo_x1", "mean"),
+        vs_fedavg_geo=("vs_fedavg_geo", "mean"), vs_fedavg_worst=("vs_fedavg", "max"),
+    )  # fmt: skip
+    return cells.reset_index().round(3).to_markdown(index=False)
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--half", choices=sorted(corpora.FAMILIES), default="tuning")
     parser.add_argument("--sites", type=int, default=2)
     parser.add_argument("--iid", action="store_true", help="the IID control: the same text dealt at random")
@@ -300,11 +360,19 @@ def main(argv=None) -> int:
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--chosen", type=Path, nargs="*", help="tuning CSVs: run each model at its best factor")
+    parser.add_argument(
+        "--chosen", type=Path, nargs="*", help="tuning CSVs: run each model at its best factor"
+    )
     parser.add_argument("--work", type=Path, default=ROOT / ".cache" / "yardstick")
-    parser.add_argument("--out-csv", type=Path, required=True)
+    parser.add_argument("--out-csv", type=Path)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--summarise", type=Path, nargs="+", help="print yardstick.md's table of these CSVs")
     args = parser.parse_args(argv)
+    if args.summarise:
+        print(summarise(pd.concat([pd.read_csv(p) for p in args.summarise])))
+        return 0
+    if args.out_csv is None:
+        parser.error("--out-csv: needed to run cells")
     import torch
 
     torch.set_num_threads(args.threads)

@@ -62,7 +62,9 @@ def test_benchmark_merge_is_the_aggregate_cli_byte_for_byte(tmp_path):
         # Not the start model: the merge did move the weights.
         assert _files(bench)["model.safetensors"] != (start / "model.safetensors").read_bytes()
         cli_record = json.loads((cli / "aggregate.json").read_text())
-        assert cli_record["weights"]["normalised"] == record["weights"]["normalised"] == {"a": 0.75, "b": 0.25}
+        assert (
+            cli_record["weights"]["normalised"] == record["weights"]["normalised"] == {"a": 0.75, "b": 0.25}
+        )
 
 
 def test_sample_sites_is_deterministic_and_takes_the_fraction():
@@ -87,6 +89,31 @@ def test_corpora_give_each_site_its_own_documents_by_topic_and_at_random():
         assert len(documents) == len(set(documents))  # no document in two sites or two splits
     # The IID control deals the same documents; its sites mix the topics.
     cut = federation_corpora.TEST_CHARS  # test documents are cut shorter than training ones
-    assert {d[:cut] for s in topic for d in s.train + s.test} == {d[:cut] for s in iid for d in s.train + s.test}
+    assert {d[:cut] for s in topic for d in s.train + s.test} == {
+        d[:cut] for s in iid for d in s.train + s.test
+    }
     assert all(s.topic == "mixed" for s in iid)
-    assert "\\fB" not in "".join(topic[0].train) and not any(line.startswith(".TH") for line in topic[0].train)
+    assert "\\fB" not in "".join(topic[0].train) and not any(
+        line.startswith(".TH") for line in topic[0].train
+    )
+
+
+def test_checkpoint_writer_group_follows_a_new_world(tmp_path, monkeypatch):
+    # The benchmark calls fedtune.train.loop.train once per site and round in one process; each call
+    # starts a world and ends it, so the background writer's group must belong to the current world.
+    import torch.distributed as dist
+
+    from fedtune.train import checkpoint
+
+    monkeypatch.setattr(checkpoint, "_async_group", None)
+    groups = []
+    for _ in range(2):
+        store = dist.FileStore(str(tmp_path / f"store-{len(groups)}"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        try:
+            groups.append(checkpoint._gloo_group())
+            assert checkpoint._gloo_group() is groups[-1]  # one per world
+            dist.barrier(group=groups[-1])  # usable: a stale group raises here
+        finally:
+            dist.destroy_process_group()
+    assert groups[0] is not groups[1]
