@@ -85,7 +85,7 @@ class _InFlight:
 
 
 _in_flight: _InFlight | None = None
-_async_group = None
+_async_group = None  # (the world group it belongs to, the group)
 
 
 def _writes_async(backend) -> bool:
@@ -95,13 +95,16 @@ def _writes_async(backend) -> bool:
 
 def _gloo_group():
     """A process group of its own for the background writer's collectives (a CPU one, which dcp
-    requires, also beside NCCL), so that they never interleave with the training loop's."""
+    requires, also beside NCCL), so that they never interleave with the training loop's. Made again
+    when the world group changed: a process that trains several times (the federation benchmark calls
+    fedtune.train.loop.train once per site and round) starts a new world each time."""
     global _async_group
-    if _async_group is None:
-        import torch.distributed as dist
+    import torch.distributed as dist
 
-        _async_group = dist.new_group(backend="gloo")
-    return _async_group
+    world = dist.group.WORLD
+    if _async_group is None or _async_group[0] is not world:
+        _async_group = (world, dist.new_group(backend="gloo"))
+    return _async_group[1]
 
 
 def save(root: Path, step: int, backend, trainer: dict, loss_log: str, job, keep: int) -> Path:

@@ -1,0 +1,119 @@
+"""benchmarks/federation_yardstick.py runs the product's stages: its merge of a round is the aggregate
+stage's, byte for byte what `python -m fedtune.aggregate` writes from the same inputs; its stand-in for
+partial participation is deterministic per seed and round; its corpora give every site its own
+documents."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fedtune.core.config import AggregateOptions
+from tests.test_aggregate import write_manifest
+from tests.test_vocab_rows import sites_with_counts
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import federation_corpora  # noqa: E402
+import federation_yardstick  # noqa: E402
+
+COUNTS = {"a": [5] * 16 + [0] * 16, "b": [0] * 8 + [2] * 24}
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    """Every file's bytes but aggregate.json, which records the folders' paths and the wall time."""
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != "aggregate.json"}
+
+
+def _cli(tmp_path: Path, models, manifests, options, start, state_in, state_out, out) -> None:
+    command = [sys.executable, "-m", "fedtune.aggregate", "--out", str(out), "--options", options.to_json(),
+               "--model", *(f"{s}={p}" for s, p in models.items()),
+               "--manifest", *(f"{s}={p}" for s, p in manifests.items()),
+               "--start", str(start), "--server-state-out", str(state_out)]  # fmt: skip
+    if state_in is not None:
+        command += ["--server-state-in", str(state_in)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run(command, check=True, cwd=tmp_path, env=env, capture_output=True)
+
+
+def test_benchmark_merge_is_the_aggregate_cli_byte_for_byte(tmp_path):
+    # The schema's default aggregate section: fedavgm with momentum, vocab rows by token counts, their
+    # step times the sites; token weights from the manifests. Two rounds, so the server state is read too.
+    start, models = sites_with_counts(tmp_path, COUNTS)
+    manifests = {s: write_manifest(tmp_path / f"{s}.json", s, n) for s, n in (("a", 300), ("b", 100))}
+    options = AggregateOptions.from_mapping({"dtype": "float32"})
+    assert options.server_optimizer.name == "fedavgm" and options.vocab_rows == "counts"
+    bench_state = cli_state = None
+    for r in (1, 2):
+        bench, cli = tmp_path / f"bench-{r}", tmp_path / f"cli-{r}"
+        record = federation_yardstick.merge_round(
+            models, bench, options, manifests, start, bench_state, tmp_path / f"bench-state-{r}"
+        )
+        _cli(tmp_path, models, manifests, options, start, cli_state, tmp_path / f"cli-state-{r}", cli)
+        assert record["vocab_rows"]["tensors"] == ["lm_head.weight", "model.embed_tokens.weight"]
+        bench_state, cli_state = tmp_path / f"bench-state-{r}", tmp_path / f"cli-state-{r}"
+        assert _files(bench) == _files(cli)
+        assert _files(bench_state) == _files(cli_state)
+        # Not the start model: the merge did move the weights.
+        assert _files(bench)["model.safetensors"] != (start / "model.safetensors").read_bytes()
+        cli_record = json.loads((cli / "aggregate.json").read_text())
+        assert (
+            cli_record["weights"]["normalised"] == record["weights"]["normalised"] == {"a": 0.75, "b": 0.25}
+        )
+
+
+def test_sample_sites_is_deterministic_and_takes_the_fraction():
+    sites = [f"s{i:02d}" for i in range(16)]
+    draws = [federation_yardstick.sample_sites(sites, 0.5, seed=0, round_=r) for r in range(1, 9)]
+    assert all(len(d) == 8 and len(set(d)) == 8 and set(d) <= set(sites) for d in draws)
+    assert draws == [federation_yardstick.sample_sites(sites, 0.5, seed=0, round_=r) for r in range(1, 9)]
+    assert len({tuple(d) for d in draws}) > 1  # rounds draw differently
+    assert draws[0] != federation_yardstick.sample_sites(sites, 0.5, seed=1, round_=1)
+    assert federation_yardstick.sample_sites(sites, 1.0, seed=0, round_=1) == sites
+    assert len(federation_yardstick.sample_sites(sites[:3], 0.5, seed=0, round_=1)) == 2  # rounded up
+
+
+@pytest.mark.skipif(not Path("/usr/share/man/man5").is_dir(), reason="needs Debian's manual pages")
+def test_corpora_give_each_site_its_own_documents_by_topic_and_at_random():
+    topic = federation_corpora.split_sites("tuning", 4, 6, 40, iid=False)
+    iid = federation_corpora.split_sites("tuning", 4, 6, 40, iid=True)
+    assert [s.topic for s in topic] == ["commands", "library", "admin", "overviews"]
+    for split in (topic, iid):
+        assert all(len(s.test) == 40 and len(s.train) == 6 for s in split)
+        documents = [d for s in split for d in s.train + s.test]
+        assert len(documents) == len(set(documents))  # no document in two sites or two splits
+    # The IID control deals the same documents; its sites mix the topics.
+    cut = federation_corpora.TEST_CHARS  # test documents are cut shorter than training ones
+    assert {d[:cut] for s in topic for d in s.train + s.test} == {
+        d[:cut] for s in iid for d in s.train + s.test
+    }
+    assert all(s.topic == "mixed" for s in iid)
+    assert "\\fB" not in "".join(topic[0].train) and not any(
+        line.startswith(".TH") for line in topic[0].train
+    )
+
+
+def test_checkpoint_writer_group_follows_a_new_world(tmp_path, monkeypatch):
+    # The benchmark calls fedtune.train.loop.train once per site and round in one process; each call
+    # starts a world and ends it, so the background writer's group must belong to the current world.
+    import torch.distributed as dist
+
+    from fedtune.train import checkpoint
+
+    monkeypatch.setattr(checkpoint, "_async_group", None)
+    groups = []
+    for _ in range(2):
+        store = dist.FileStore(str(tmp_path / f"store-{len(groups)}"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        try:
+            groups.append(checkpoint._gloo_group())
+            assert checkpoint._gloo_group() is groups[-1]  # one per world
+            dist.barrier(group=groups[-1])  # usable: a stale group raises here
+        finally:
+            dist.destroy_process_group()
+    assert groups[0] is not groups[1]
