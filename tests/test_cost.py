@@ -119,7 +119,7 @@ def test_a_two_cluster_round_under_slurm(tmp_path, monkeypatch):
     run, jobs_dir, t0 = tmp_path / "run", tmp_path / "run" / "logs" / "jobs", 1_800_000_000.0
     _record(jobs_dir, "fedtune.train", ["--out", f"{run}/round-1/alpha/model"], t0, 3600, slurm_job_id="101")
     _record(jobs_dir, "fedtune.core.transfer",
-            ["fetch", "--out", "round-1/beta/model", "--round", "1"], t0 + 100, 50)  # fmt: skip
+            ["fetch", "--out", "run/round-1/beta/model", "--round", "1"], t0 + 100, 50)  # fmt: skip
     _record(
         jobs_dir,
         "fedtune.aggregate",
@@ -137,6 +137,7 @@ def test_a_two_cluster_round_under_slurm(tmp_path, monkeypatch):
     (outbox / "model.COMPLETE").write_text(marker_text)
     _fake_sacct(tmp_path / "bin")
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    monkeypatch.chdir(tmp_path)  # the workflow's directory: a fetch's --out is relative to it
     paths = cost.cost_report(
         run, run / "report", settings={"cluster": "karolina", "sites": {"alpha": {"cluster": "karolina"},
                                                                       "beta": {"cluster": "leonardo"}}},

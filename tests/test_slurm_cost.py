@@ -34,7 +34,23 @@ def cost_run(slurm_cluster, tmp_path_factory):
         "nodes": 2, "processes_per_node": 1, "launcher": "srun", "mem_mb": 2000, "runtime": 20,
     }  # fmt: skip
     write_config(workdir, config)
-    snakemake(workdir, "results/demo/report/cost.csv", profile="slurm-local", timeout=1200)
+    # A round's group job (merge and evaluations) asks for the sum of the parts that may run at once: the
+    # aggregate's 4000 MB and two evaluations' 4097 MB each are more than a slurm-local node's 8000 MB.
+    # (The profile's set-resources are given again: the option replaces them.)
+    resources = [
+        "aggregate:mem_mb=2000",
+        "evaluate_round:mem_mb=2000",
+        "tokenize:mem_mb=3000",
+        "tokenize:runtime=20",
+    ]
+    snakemake(
+        workdir,
+        "results/demo/report/cost.csv",
+        "--set-resources",
+        *resources,
+        profile="slurm-local",
+        timeout=1200,
+    )
     return workdir / "results" / "demo", slurm_cluster
 
 

@@ -130,7 +130,8 @@ def classify(record: dict) -> tuple[str, int | None, str | None] | None:
         return stage, int(rnd) if rnd and rnd.isdigit() else 0, label
     rnd = _arg(argv, "--round")
     item = _arg(argv, "--out") or _arg(argv, "--path") or _arg(argv, "--item")
-    return stage, int(rnd) if rnd and rnd.isdigit() else _round_of_path(item), item
+    # A manifest crosses before the rounds: round 0.
+    return stage, int(rnd) if rnd and rnd.isdigit() else _round_of_path(item) or 0, item
 
 
 def load_records(folder: Path) -> list[dict]:
@@ -288,7 +289,11 @@ def transfer_split(record: dict, run: Path) -> tuple[float, float]:
     if not argv or argv[0] not in ("fetch", "receive"):
         return wall, 0.0
     out = _arg(argv, "--out") or _arg(argv, "--item")
-    ready = _newest_mtime(run / out if out and not Path(out).is_absolute() else Path(out or "/nonexistent"))
+    if not out:
+        return wall, 0.0
+    # --out is relative to the workflow's directory, where this report runs too; --item to the run folder.
+    found = [p for p in (Path(out), run / out) if p.exists()]
+    ready = _newest_mtime(found[0]) if found else None
     if ready is None:
         return wall, 0.0
     wait = min(max(ready - record["started"], 0.0), wall)
@@ -516,10 +521,11 @@ def cost_report(
     if not run.is_dir():
         raise ReportError(f"--run: {run} is not a folder")
     settings = settings or {}
-    cluster = settings.get("cluster") or "local"
-    site_clusters = {
-        name: (site or {}).get("cluster") or cluster for name, site in (settings.get("sites") or {}).items()
-    }
+    sites = settings.get("sites") or {}
+    named = {(site or {}).get("cluster") for site in sites.values()} - {None}
+    # A one-cluster run is named by its sites' cluster when they name one (slurm-local), else "local".
+    cluster = settings.get("cluster") or (named.pop() if len(named) == 1 else "local")
+    site_clusters = {name: (site or {}).get("cluster") or cluster for name, site in sites.items()}
     records = load_records(run / "logs" / "jobs")
     job_ids = [r["slurm_job_id"] for r in records if r.get("slurm_job_id")]
     accounting, note = slurm_accounting(job_ids, sacct_timeout)
