@@ -316,7 +316,11 @@ def test_a_deleted_output_of_any_stage_is_redone_with_what_depends_on_it(demo, t
 
     # An evaluation: its job (one per model, both test sets) and the report.
     plan = without(f"{LAST}/eval/alpha/beta.json")
-    assert plan == {("evaluate_round", (("model", "alpha"), ("round", last))), ("report", ())}, plan
+    assert plan == {
+        ("evaluate_round", (("model", "alpha"), ("round", last))),
+        ("report", ()),
+        ("report_cost", ()),
+    }, plan
     # The last round's site model: its training, the round's merge, what scores either, the report.
     plan = without(f"{LAST}/beta/model")
     expected = {
@@ -325,6 +329,7 @@ def test_a_deleted_output_of_any_stage_is_redone_with_what_depends_on_it(demo, t
         ("evaluate_round", (("model", "beta"), ("round", last))),
         ("evaluate_round", (("model", "aggregate"), ("round", last))),
         ("report", ()),
+        ("report_cost", ()),
     }
     if DOWNSTREAM:
         expected |= {
@@ -388,3 +393,30 @@ def test_each_site_carries_the_identity_of_the_base_it_started_from(demo):
         first = json.loads((run / "round-1" / site / "model" / "training.json").read_text())
         assert first["base"] == {"identity": base["identity"], "commit": None}
         assert json.loads((run / "round-2" / site / "model" / "training.json").read_text())["base"] is None
+
+
+def test_the_report_has_the_cost_table(demo):
+    """Issue 40: per round the local profile's costs, wall time only: the training, merge and evaluation
+    commands' seconds (each at least what training.json measured inside the training), node-hours as wall
+    time x processes, energy not measured; at the end the federation's and the pooled model's node-hours."""
+    run, _ = demo
+    table = pd.read_csv(run / "report" / "cost.csv")
+    assert list(table["round"]) == list(range(ROUNDS + 1)) and set(table["cluster"]) == {"local"}
+    assert table.loc[0, "prepare_s"] > 0
+    rounds = table[table["round"] > 0].set_index("round")
+    training = pd.read_csv(run / "report" / "training.csv")
+    for rnd, row in rounds.iterrows():
+        sites = training[(training["round"] == rnd) & (training["site"] != "pooled")]
+        inside = sites["wall_time_s"].sum()
+        assert inside > 0 and row["training_s"] >= inside, (rnd, row["training_s"], inside)
+        assert row["merge_s"] > 0 and row["evaluation_s"] > 0 and row["node_hours"] > 0
+        assert row["accounting"] == "wall x processes (local)" and row["energy_kwh"] == "not measured (local)"
+        assert row["bytes_sent"] == 0 and row["bytes_received"] == 0  # one cluster: nothing crosses
+    summary = pd.read_csv(run / "report" / "cost_summary.csv").set_index("model")
+    assert summary.loc["federation", "round"] == ROUNDS
+    assert summary.loc["pooled baseline", "node_hours_training"] > 0
+    # The pooled model trains on the federation's tokens.
+    assert summary.loc["pooled baseline", "tokens"] == summary.loc["federation", "tokens"]
+    assert "What the run cost" in (run / "report" / "cost.html").read_text()
+    with Image.open(run / "report" / "cost.png") as png:
+        assert png.size[0] > 100

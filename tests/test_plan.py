@@ -112,6 +112,7 @@ def test_leonardo_dry_run_of_the_llama2_example_ends_with_its_summary(llama2):
         "tokenize_manifest": len(expect["here"]),
         "report": 1,
         "report_settings": 1,
+        "report_cost": 1,
     }
     assert leonardo["login node"].startswith(f"{sum(login.values())} jobs ("), leonardo
     for rule, n in login.items():

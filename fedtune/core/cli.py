@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fedtune.core.config import UserError
+from fedtune.core.job_record import JobRecord
 from fedtune.core.secrets import redact
 
 EXIT_USER_ERROR = 2
@@ -117,17 +118,28 @@ def entry(module: str, *, offline: bool = False) -> Callable:
                 from fedtune.core.offline import enforce
 
                 enforce()
+            # The report's cost table reads when each command ran, and in which Slurm job.
+            record = JobRecord(name, list(sys.argv[1:] if argv is None else argv))
+            code = 1  # an exception that escapes is a failed command
             try:
-                return main(argv) or 0
+                code = main(argv) or 0
+                return code
             except UserError as error:
                 print(f"{name}: error: {redact(str(error))}", file=sys.stderr)
-                return EXIT_USER_ERROR
+                code = EXIT_USER_ERROR
+                return code
             except OSError as error:
                 # A full disk or quota is the user's to fix (the atomic writes left nothing half-written).
                 if error.errno not in DISK_FULL:
                     raise
                 print(f"{name}: error: {error} (free space, or a larger quota)", file=sys.stderr)
-                return EXIT_USER_ERROR
+                code = EXIT_USER_ERROR
+                return code
+            except SystemExit as stop:  # argparse, and a stage that exits with its own code (train: 75)
+                code = stop.code if isinstance(stop.code, int) else 1
+                raise
+            finally:
+                record.finish(code)
 
         return run
 

@@ -253,6 +253,9 @@ def base_arg(wildcards, input):
 # every training, so that a moved or renamed checkout (or a scratch mount that resolves differently) made
 # every train job "Params have changed" (issue 37). Jobs inherit it; a Slurm job's Snakemake sets it again.
 os.environ.update(FEDTUNE_LAUNCH=str(Path(workflow.basedir) / "scripts" / "launch"))
+# Every fedtune command of a job leaves a record (Slurm job id, start, end) for the report's cost table
+# (fedtune.core.job_record); through the environment too, so that no rule's command changes.
+os.environ.update(FEDTUNE_JOB_RECORDS=str(RUN_DIR.resolve() / "logs" / "jobs"))
 SWEEP_POINTS = {point.label: point for point in RUN.sweep}
 SWEEP_HERE = bool(SWEEP_POINTS) and RUN.sweep_site in LOCAL_SITES
 
@@ -701,7 +704,12 @@ def stage_outputs():
         if DOWNSTREAM:
             outputs += [tasks_dir(), *TASK_RESULTS]
         outputs += [
-            str(f) for f in [*rules.report_settings.output, *rules.report.output]
+            str(f)
+            for f in [
+                *rules.report_settings.output,
+                *rules.report.output,
+                *rules.report_cost.output,
+            ]
         ]
     if SWEEP_HERE:
         outputs += [

@@ -1,5 +1,6 @@
 # report: tables and figures of the whole run, collected by `snakemake --report`.
 import os
+import shlex
 
 # ROUND:SITE=PATH of the files the train stage writes into every site model folder.
 TRAINING_SUMMARIES = [
@@ -147,3 +148,53 @@ rule report:
         "python -m fedtune.report --out {params.out:q} --eval {input.evals:q}"
         " --training {params.training:q} --loss {params.losses:q} {params.tasks}"
         " --settings {input.settings:q} > {log:q} 2>&1"
+
+
+# What the run cost (fedtune.report.cost): per round and cluster, bytes crossed, the time split,
+# node-hours, GPU-hours and energy from the jobs' records (logs/jobs/) and, for Slurm jobs, sacct, which
+# runs here in the controller (a local rule), where Slurm's commands answer.
+COST_CROSSINGS = " ".join(
+    f"--crossing {shlex.quote(f'{rnd}:{maker}:{receiver}={item}')}"
+    for item, maker, receiver, rnd, _ in crossing_items()
+    if rnd > 0
+)
+
+
+rule report_cost:
+    input:
+        evals=EVAL_RESULTS,
+        settings=run_path("report", "settings.json"),
+        models=[site_model_dir(r, site) for r in ROUNDS for site in SITES]
+        + ([pooled_model_dir()] if RUN.pooled else []),
+    output:
+        html=report(
+            run_path("report", "cost.html"),
+            caption="../report/cost.rst",
+            category="Cost",
+        ),
+        png=report(
+            run_path("report", "cost.png"),
+            caption="../report/cost.rst",
+            category="Cost",
+        ),
+        csv=run_path("report", "cost.csv"),
+        md=run_path("report", "cost.md"),
+        crossed=run_path("report", "cost_items.csv"),
+        per_job=run_path("report", "cost_jobs.csv"),
+        summary=run_path("report", "cost_summary.csv"),
+    log:
+        log_path("report", "cost"),
+    localrule: True
+    conda:
+        CONDA_ENV
+    container:
+        CONTAINER
+    params:
+        out=lambda wc, output: os.path.dirname(output.csv),
+        run=lambda wc: str(RUN_DIR),
+        training=TRAINING_SUMMARIES,
+        crossings=COST_CROSSINGS,
+    shell:
+        "python -m fedtune.report.cost --out {params.out:q} --run {params.run:q}"
+        " --settings {input.settings:q} --eval {input.evals:q} --training {params.training:q}"
+        " {params.crossings} > {log:q} 2>&1"

@@ -1,0 +1,204 @@
+"""The report's cost table (fedtune.report.cost) and the job records it reads (fedtune.core.job_record):
+each command's record, sacct's fields (a stand-in sacct on PATH, and none at all), the bytes the crossing
+markers list, the wait for another cluster, and the tables built from them. The demo's report has the table
+(tests/test_demo.py); a slurm-local run's is checked against the real sacct (tests/test_slurm_local.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from fedtune.core import cli
+from fedtune.core.job_record import ENV
+from fedtune.report import cost
+
+
+@cli.entry("fedtune.train.loop")
+def _fake_train(argv=None) -> int:
+    time.sleep(0.05)
+    return 0
+
+
+@cli.entry("fedtune.aggregate.merge")
+def _fake_stopped(argv=None) -> int:
+    raise SystemExit(75)
+
+
+def test_each_command_leaves_a_record_of_its_job(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV, str(tmp_path / "jobs"))
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
+    called = time.time()
+    assert _fake_train(["--out", "results/demo/round-2/alpha/model"]) == 0
+    with pytest.raises(SystemExit):
+        _fake_stopped(["--out", "results/demo/round-2/aggregate/model"])
+    records = {r["command"]: r for r in cost.load_records(tmp_path / "jobs")}
+    assert set(records) == {"fedtune.train", "fedtune.aggregate"}
+    train = records["fedtune.train"]
+    assert train["slurm_job_id"] == "4242" and train["processes"] == 4 and train["exit_code"] == 0
+    # From the process's start (its imports count), not from the call; to its end.
+    assert train["started"] < called - 0.5 and train["ended"] - called >= 0.05
+    assert records["fedtune.aggregate"]["exit_code"] == 75
+    assert cost.classify(train) == ("training", 2, "alpha")
+
+
+def test_no_record_without_the_folder_or_on_another_rank(tmp_path, monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    _fake_train(["--out", "x"])
+    monkeypatch.setenv(ENV, str(tmp_path / "jobs"))
+    monkeypatch.setenv("RANK", "1")
+    _fake_train(["--out", "x"])
+    assert not (tmp_path / "jobs").exists()
+
+
+SACCT_LINES = (
+    # Two nodes with two GPUs each for 1 h, 40 s in the queue, 7.2 MJ; a job of a site without energy.
+    "101|2026-11-28T01:00:00|2026-11-28T01:00:40|2026-11-28T02:00:40|3600|2|billing=4,cpu=4,gres/gpu=4,mem=2G,node=2|7200000\n"
+    "102|2026-11-28T02:01:00|2026-11-28T02:01:05|2026-11-28T02:11:05|600|1|cpu=1,mem=1G,node=1|0\n"
+)
+
+
+def _fake_sacct(folder: Path, text: str = SACCT_LINES, code: int = 0) -> None:
+    folder.mkdir(exist_ok=True)
+    script = folder / "sacct"
+    (folder / "lines").write_text(text)
+    script.write_text(f'#!/bin/sh\necho "$@" > {folder}/args\ncat {folder}/lines\nexit {code}\n')
+    script.chmod(0o755)
+
+
+def test_sacct_fields_become_queue_hours_and_energy(tmp_path, monkeypatch):
+    _fake_sacct(tmp_path / "bin")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    jobs, note = cost.slurm_accounting(["101", "102"])
+    assert note == ""
+    assert (
+        "-X" in (tmp_path / "bin" / "args").read_text()
+        and "101,102" in (tmp_path / "bin" / "args").read_text()
+    )
+    assert jobs["101"].queue_s == 40 and jobs["101"].nodes == 2 and jobs["101"].gpus == 4
+    assert jobs["101"].energy_j == 7.2e6
+    assert jobs["102"].energy_j is None and jobs["102"].gpus == 0
+
+
+def test_without_sacct_the_table_says_not_available(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sacct
+    assert cost.slurm_accounting(["101"]) == ({}, "sacct not found")
+    _fake_sacct(tmp_path / "bin", "", code=1)
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    jobs, note = cost.slurm_accounting(["101"])
+    assert jobs == {} and note.startswith("sacct failed")
+
+
+def _record(folder: Path, command: str, argv: list[str], started: float, wall: float, **extra) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {"command": command, "argv": argv, "started": started, "ended": started + wall, **extra}
+    (folder / f"{command}-{len(list(folder.iterdir()))}.json").write_text(json.dumps(record))
+
+
+def _item(run: Path, item: str, sizes: dict[str, int], mtime: float) -> None:
+    folder = run / item
+    folder.mkdir(parents=True)
+    lines = []
+    for name, size in sizes.items():
+        (folder / name).write_bytes(b"x" * size)
+        os.utime(folder / name, (mtime, mtime))
+        lines.append(f"{'0' * 64}  {folder.name}/{name}\n")
+    return "".join(lines)
+
+
+def test_a_two_cluster_round_under_slurm(tmp_path, monkeypatch):
+    """The aggregating cluster's view: its own site trained in job 101, the other's model fetched (it was
+    ready 30 s after the fetch began), the merge and the evaluation sharing job 102."""
+    run, jobs_dir, t0 = tmp_path / "run", tmp_path / "run" / "logs" / "jobs", 1_800_000_000.0
+    _record(jobs_dir, "fedtune.train", ["--out", f"{run}/round-1/alpha/model"], t0, 3600, slurm_job_id="101")
+    _record(jobs_dir, "fedtune.core.transfer",
+            ["fetch", "--out", "run/round-1/beta/model", "--round", "1"], t0 + 100, 50)  # fmt: skip
+    _record(
+        jobs_dir,
+        "fedtune.aggregate",
+        ["--out", "round-1/aggregate/model"],
+        t0 + 3700,
+        150,
+        slurm_job_id="102",
+    )
+    _record(jobs_dir, "fedtune.evaluate", ["--label", "aggregate", "--round", "1"], t0 + 3850, 450,
+            slurm_job_id="102")  # fmt: skip
+    _item(run, "round-1/beta/model", {"model.safetensors": 1000, "config.json": 24}, t0 + 130)
+    # The marker in the outbox lists what travels: only what it names counts (compressed files, say).
+    outbox = run / "exchange" / "outbox" / "round-1" / "aggregate"
+    marker_text = _item(run / "exchange" / "outbox", "round-1/aggregate/model", {"delta.int8": 300}, t0)
+    (outbox / "model.COMPLETE").write_text(marker_text)
+    _fake_sacct(tmp_path / "bin")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    monkeypatch.chdir(tmp_path)  # the workflow's directory: a fetch's --out is relative to it
+    paths = cost.cost_report(
+        run, run / "report", settings={"cluster": "karolina", "sites": {"alpha": {"cluster": "karolina"},
+                                                                      "beta": {"cluster": "leonardo"}}},
+        crossings=[cost.CrossingItem(1, "leonardo", "karolina", "round-1/beta/model"),
+                   cost.CrossingItem(1, "karolina", "leonardo", "round-1/aggregate/model")],
+    )  # fmt: skip
+    table = pd.read_csv(paths["cost.csv"]).set_index(["round", "cluster"])
+    row = table.loc[(1, "karolina")]
+    assert row["bytes_received"] == 1024 and row["bytes_sent"] == 300
+    assert table.loc[(1, "leonardo")]["bytes_sent"] == 1024
+    assert row["training_s"] == 3600 and row["merge_s"] == 150 and row["evaluation_s"] == 450
+    assert row["wait_s"] == pytest.approx(30) and row["transfer_s"] == pytest.approx(20)
+    assert row["queue_s"] == 45  # each job's queue once: 40 + 5
+    # Job 101: 1 h x 2 nodes; job 102: 600 s x 1 node, shared by the merge and the evaluation; the fetch
+    # (local) counts its wall time x 1 process.
+    assert row["node_hours"] == pytest.approx(2 + 600 / 3600 + 50 / 3600)
+    assert row["gpu_hours"] == pytest.approx(4)
+    # Job 102 and the fetch in the controller are not measured: no partial sum passes for the whole.
+    assert row["energy_kwh"] == f"{cost.NOT_MEASURED_LOCAL}; {cost.NOT_MEASURED}"
+    jobs = pd.read_csv(paths["cost_jobs.csv"])
+    merge = jobs[jobs["stage"] == "merge"].iloc[0]
+    assert merge["node_hours"] == pytest.approx(600 / 3600 * 150 / 600)
+    assert jobs[jobs["stage"] == "training"].iloc[0]["energy_kwh"] == "2.0"
+    assert "| 1 | karolina |" in paths["cost.md"].read_text()
+    assert paths["cost.png"].stat().st_size > 0
+
+
+def test_a_local_run_counts_wall_time_times_processes(tmp_path, monkeypatch):
+    run, t0 = tmp_path / "run", 1_800_000_000.0
+    jobs_dir = run / "logs" / "jobs"
+    for rnd in (1, 2):
+        _record(jobs_dir, "fedtune.train", ["--out", f"round-{rnd}/alpha/model"], t0, 360, processes=2)
+        _record(jobs_dir, "fedtune.evaluate", ["--label", "aggregate", "--round", str(rnd)], t0, 36)
+    _record(jobs_dir, "fedtune.train", ["--out", "pooled/model"], t0, 720, processes=2)
+    evals = []
+    for model, rnd, value in (("aggregate", 1, 20.0), ("aggregate", 2, 10.0), ("pooled", 0, 9.0)):
+        path = tmp_path / f"{model}-{rnd}.json"
+        path.write_text(json.dumps({"model": model, "round": rnd, "site": "alpha", "perplexity": value}))
+        evals.append(path)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sacct, and none needed: no Slurm job
+    paths = cost.cost_report(run, run / "report", evals=evals)
+    table = pd.read_csv(paths["cost.csv"])
+    assert list(table["round"]) == [1, 2] and set(table["cluster"]) == {"local"}
+    assert list(table["node_hours"]) == pytest.approx([0.2 + 0.01, 0.2 + 0.01])
+    assert set(table["energy_kwh"]) == {cost.NOT_MEASURED_LOCAL}
+    summary = pd.read_csv(paths["cost_summary.csv"]).set_index("model")
+    assert summary.loc["federation", "value"] == 10.0 and summary.loc["federation", "round"] == 2
+    assert summary.loc["federation", "node_hours_training"] == pytest.approx(0.4)
+    assert summary.loc["pooled baseline", "node_hours_training"] == pytest.approx(0.4)
+    assert summary.loc["federation", "value_per_node_hour"] == pytest.approx(10 / 0.42)
+
+
+def test_cli_refuses_a_bad_crossing(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "fedtune.report.cost", "--run", str(tmp_path), "--out", str(tmp_path / "r"),
+         "--crossing", "one:a=b"],
+        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent)),
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "fedtune.report.cost: error: --crossing: 'one:a=b' is not ROUND:MAKER:RECEIVER=ITEM"
+    )
