@@ -235,3 +235,15 @@ def test_the_setting_its_default_and_what_crosses():
     config["aggregate"] = {**config.get("aggregate", {}), "server_optimizer": {"name": "fedavgm"}}
     with pytest.raises(ConfigError, match="sites train adapters"):
         build_run_config(config, base_dir=ROOT)
+
+
+def test_the_report_counts_the_update_as_what_the_site_sent(tmp_path):
+    from fedtune.report.build import folder_bytes, sent_folder
+
+    start, site = start_and_site(tmp_path)
+    model = tmp_path / "round-1" / "a" / "model"
+    shutil.copytree(site, model)
+    assert sent_folder(model) == model
+    compress(model, start, model.parent / "update", ExchangeOptions(dtype="int4"))
+    assert sent_folder(model) == model.parent / "update"
+    assert folder_bytes(sent_folder(model)) < folder_bytes(model) + 8192
