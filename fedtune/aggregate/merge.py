@@ -436,7 +436,9 @@ def aggregate(
         tmp = outputs.enter_context(atomic_dir(out_dir))
         state_tmp = outputs.enter_context(atomic_dir(Path(server_state_out))) if server_state_out else None
         extra = [m for m in (start_model, state_folder) if m is not None]
-        decoders = {i: m.update for i, m in enumerate(site_models) if m.update is not None}
+        decoders = {
+            i: (*m.update, exchange.Rebuilder()) for i, m in enumerate(site_models) if m.update is not None
+        }
         merge = _Merge(method, options.parameters, options.server_optimizer, plain, rows, decoders)
         output, state_output, digests = _write_merged(
             tmp,
@@ -629,7 +631,7 @@ class _Merge:
     optimizer: ServerOptimizerOptions
     plain: bool
     rows: Mapping[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # name -> (sites, vocab)
-    # Site index -> (header, parts folder) of the sites that sent compressed updates.
+    # Site index -> (header, parts folder, its Rebuilder) of the sites that sent compressed updates.
     updates: Mapping[int, tuple] = dataclasses.field(default_factory=dict)
 
 
@@ -723,9 +725,10 @@ def _site_tensor(reader: FolderReader, i: int, name: str, base, merge: _Merge) -
     """Site i's tensor `name`, flat: as stored, or rebuilt from its compressed update and the start."""
     if i not in merge.updates:
         return reader.get(i, name)
-    entry = merge.updates[i][0].tensors[name]
+    header, _, rebuilder = merge.updates[i]
+    entry = header.tensors[name]
     parts = {s: reader.get(i, name + s) for s in _suffixes(entry)}
-    return exchange.reconstruct(base, parts, entry.encoding, entry.shape)
+    return rebuilder.rebuild(base, parts, entry.encoding, entry.shape)
 
 
 def _mean_into(result: torch.Tensor, sources, weights, buffers) -> None:

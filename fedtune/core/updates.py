@@ -31,6 +31,7 @@ from fedtune.core.exchange import (
     CHECKSUMS,
     HEADER_KEY,
     ExchangeError,
+    Rebuilder,
     TensorEntry,
     UpdateHeader,
     check_start,
@@ -38,7 +39,6 @@ from fedtune.core.exchange import (
     encoding_for,
     part_shapes,
     read_header,
-    reconstruct,
     start_identity,
 )
 from fedtune.core.models import record_checksums, verify_checksums
@@ -157,6 +157,7 @@ def compress(
             kept = ShardedOutput(residual_tmp, plan, hashing=True) if float_names else None
         try:
             by_name = {t.name: t for t in parts}
+            rebuilder = Rebuilder()
             for k, name in enumerate(order):
                 reader.reached(k)
                 entry = entries[name]
@@ -168,7 +169,9 @@ def compress(
                     if residual_in is not None and name in residual.tensors:
                         update += reader.get(2, name)
                     encoded = encode(update, entry.encoding, entry.shape)
-                    sent = reconstruct(base, encoded, entry.encoding, entry.shape).float() - base.float()
+                    sent = (
+                        rebuilder.rebuild(base, encoded, entry.encoding, entry.shape).float() - base.float()
+                    )
                     error = update - sent
                     squared["update"] += float(update.double().square().sum())
                     squared["error"] += float(error.double().square().sum())
@@ -236,13 +239,14 @@ def decode_folder(
     with atomic_dir(out_dir) as tmp:
         reader = FolderReader([update, start], reads, hashing=True)
         output = ShardedOutput(tmp, plan, hashing=True)
+        rebuilder = Rebuilder()
         try:
             for k, tensor in enumerate(order):
                 reader.reached(k)
                 entry = header.tensors[tensor.name]
                 got = {p[len(tensor.name) :]: reader.get(0, p) for p in parts[tensor.name]}
                 base = reader.get(1, tensor.name) if entry.encoding.kind != "raw" else None
-                value = reconstruct(base, got, entry.encoding, entry.shape)
+                value = rebuilder.rebuild(base, got, entry.encoding, entry.shape)
                 slot, buffer = output.slot(tensor)
                 buffer.copy_(value[: tensor.numel])
                 output.put(tensor, slot)
