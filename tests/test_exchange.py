@@ -67,6 +67,13 @@ def test_each_mode_rebuilds_the_update_within_its_precision(dtype, scale):
         assert all(p.numel() * p.dtype.itemsize % 8 == 0 for p in parts.values())  # parts stay aligned
         decoded = exchange.decode(parts, encoding, shape)
         assert (decoded - update).abs().max() <= bound * update.abs().max(), (dtype, shape)
+        # The merge's chunked rebuild: the whole-tensor decode plus the start, bit for bit, in the start's dtype.
+        for start_dtype in (torch.bfloat16, torch.float32):
+            start = torch.randn(math.prod(shape), generator=g).to(start_dtype)
+            expected = decoded.clone().add_(start.float()).to(start_dtype)
+            rebuilder = exchange.Rebuilder()
+            rebuilder.CHUNK = 128  # several chunks, and a last one of part of a group
+            assert torch.equal(rebuilder.rebuild(start, parts, encoding, shape), expected)
 
 
 def test_bytes_per_value_against_bf16():
