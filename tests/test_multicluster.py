@@ -9,6 +9,7 @@ remote that never delivers ends in the timeout error with nothing partial left."
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -173,6 +174,38 @@ def test_adapters_three_rounds_both_pulling(tmp_path, ssh):
     assert not (karolina_run / "round-1" / "aggregate" / "model").exists()  # no merge job of its own
     assert (leonardo_run / f"round-{ROUNDS - 1}/aggregate/adapter.COMPLETE").is_file()
     assert_confined(ssh, karolina_run)
+
+
+@pytest.mark.slow
+def test_int8_exchange_with_error_feedback_both_pulling(tmp_path):
+    """federation.exchange int8 with error feedback: beta's compressed update crosses instead of its model
+    (each cluster pulls from the other's folder), Leonardo merges it tensor by tensor against the start
+    model and rebuilds beta's model for its evaluation; the final aggregate is bit for bit a one-cluster
+    run's with the same exchange."""
+    config = lean_config()
+    config["federation"] = {**config["federation"], "exchange": {"dtype": "int8", "error_feedback": True}}
+    leonardo_run = tmp_path / "leo" / "results" / "demo"
+    karolina_run = tmp_path / "karo" / "results" / "demo"
+    leonardo, karolina = two_clusters(tmp_path, config, {"karo": str(karolina_run), "leo": str(leonardo_run)})
+    env = dict(os.environ)
+    leo, kar = start(leonardo, env), start(karolina, env)
+    finish(leo, leonardo), finish(kar, karolina)
+    expected = one_cluster(tmp_path, config)
+    assert expected and weights(leonardo) == expected
+    for r in range(1, ROUNDS + 1):
+        # What crossed: the update (with its sha256 in the marker), not the model; the residual stayed.
+        marker = (karolina_run / f"round-{r}/beta/update.COMPLETE").read_text()
+        assert "  update/model.safetensors\n" in marker and "  update/update.json\n" in marker
+        assert not (karolina_run / f"round-{r}/beta/model.COMPLETE").exists()
+        assert (karolina_run / f"round-{r}/beta/residual/model.safetensors").is_file()
+        assert not (leonardo_run / f"round-{r}/beta/residual").exists()
+        record = json.loads((leonardo_run / f"round-{r}/aggregate/model/aggregate.json").read_text())
+        beta = next(entry for entry in record["inputs"] if entry["site"] == "beta")
+        assert beta["model_dir"].endswith(f"round-{r}/beta/update") and record["start"]
+    sent = json.loads((karolina_run / f"round-{ROUNDS}/beta/update/update.json").read_text())
+    assert sent["update_bytes"] < 0.3 * sent["model_bytes"]  # int8 of a float32 model, scales included
+    # Beta's model rebuilt at Leonardo for its evaluation of the last round.
+    assert (leonardo_run / f"round-{ROUNDS}/eval/beta/beta.json").is_file()
 
 
 def test_a_remote_that_never_delivers_ends_in_the_timeout_error(tmp_path):

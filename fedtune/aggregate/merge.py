@@ -32,7 +32,7 @@ import torch
 from fedtune.aggregate.methods import CHUNK, METHODS, MergeMethod, chunks, fedavg_rows, weighted_mean
 from fedtune.aggregate.model_compat import CONFIG_FILE, COPIED_FILES, compatibility_problems
 from fedtune.aggregate.server_optimizers import slots, step
-from fedtune.core import cli, token_counts
+from fedtune.core import cli, exchange, token_counts
 from fedtune.core.atomic import atomic_dir, write_json
 from fedtune.core.checksums import SOURCE_RECORD, sha256_file
 from fedtune.core.config import (
@@ -195,6 +195,30 @@ def read_site_model(site: str, path: Path, label: str | None = None) -> SiteMode
         if (path / name).is_file():
             files[name] = (path / name).stat().st_size
     return model
+
+
+def read_site_update(site: str, path: Path, start: str | Path) -> SiteModel:
+    """A site's compressed update (federation.exchange) as the merge sees a site model: the model's
+    tensor table from the update's header, over the update's own files (whose parts the stream reads and
+    hashes); refused, before a byte is decoded, when it was taken against another start model."""
+    label = f"site {site}"
+    header = exchange.read_header(path, label)
+    exchange.check_start(header, start, label, path)
+    parts = read_site_model(site, path, label)
+    missing = [
+        name + s for name, e in header.tensors.items() for s in _suffixes(e) if name + s not in parts.tensors
+    ]
+    if missing:
+        raise AggregateError(f"{label}: the update {path} lacks parts its header lists: {listing(missing)}")
+    view = {
+        name: dataclasses.replace(parts.tensors[name], dtype=entry.dtype, shape=entry.shape)
+        for name, entry in header.tensors.items()
+    }
+    return dataclasses.replace(parts, tensors=view, update=(header, parts))
+
+
+def _suffixes(entry: exchange.TensorEntry) -> list[str]:
+    return ["", exchange.SCALE] if entry.encoding.kind in exchange.INT_MAX else [""]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -376,6 +400,11 @@ def aggregate(
         and options.server_optimizer.plain
         and not (options.rows_by_counts and options.vocab_factor(len(models)) != 1)
     )
+    # Compressed updates (federation.exchange) are rebuilt against the start model inside the stream.
+    updates = {site: exchange.is_update(path) for site, path in models.items()}
+    if any(updates.values()) and start is None:
+        compressed = ", ".join(site for site, is_update in updates.items() if is_update)
+        raise AggregateError(f"--start is needed: sites {compressed} sent compressed updates of it")
     _check_arguments(options, models, start, server_state_out, plain)
     check_same_base(models, start)
     manifests = {site: Path(p) for site, p in (manifests or {}).items()}
@@ -385,7 +414,8 @@ def aggregate(
     weights = normalised(raw)
     shard_limit = parse_size(options.max_shard_size)
 
-    site_models, start_model = _read_models(models, manifests, tokens, None if plain else start)
+    needs_start = not plain or any(updates.values())
+    site_models, start_model = _read_models(models, manifests, tokens, start if needs_start else None)
     ref = site_models[0]
     plan = plan_output(ref, options.dtype, shard_limit)
     order = [t for shard in plan for t in shard]
@@ -406,7 +436,10 @@ def aggregate(
         tmp = outputs.enter_context(atomic_dir(out_dir))
         state_tmp = outputs.enter_context(atomic_dir(Path(server_state_out))) if server_state_out else None
         extra = [m for m in (start_model, state_folder) if m is not None]
-        merge = _Merge(method, options.parameters, options.server_optimizer, plain, rows)
+        decoders = {
+            i: (*m.update, exchange.Rebuilder()) for i, m in enumerate(site_models) if m.update is not None
+        }
+        merge = _Merge(method, options.parameters, options.server_optimizer, plain, rows, decoders)
         output, state_output, digests = _write_merged(
             tmp,
             state_tmp,
@@ -440,9 +473,10 @@ def aggregate(
             "warnings": warnings,
         }
         optimizer = options.server_optimizer.to_dict()
+        if needs_start:
+            record["start"] = extra_records[0]
         if not plain:
             record["parameters"] = options.parameters
-            record["start"] = extra_records[0]
             record["server_optimizer"] = {**optimizer, "step": round_step}
         if state_folder is not None:
             record["server_state_in"] = extra_records[-1]
@@ -463,7 +497,12 @@ def _read_models(
 ) -> tuple[list[SiteModel], SiteModel | None]:
     """The sites' folders (with their manifests' tokens) and the start model (None: not needed), after
     checking that they line up."""
-    site_models = [read_site_model(site, Path(path)) for site, path in models.items()]
+    site_models = [
+        read_site_update(site, Path(path), start)
+        if exchange.is_update(path)
+        else read_site_model(site, Path(path))
+        for site, path in models.items()
+    ]
     for m in site_models:
         m.tokens = tokens.get(m.site)
         m.manifest = manifests.get(m.site)
@@ -592,6 +631,8 @@ class _Merge:
     optimizer: ServerOptimizerOptions
     plain: bool
     rows: Mapping[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # name -> (sites, vocab)
+    # Site index -> (header, parts folder, its Rebuilder) of the sites that sent compressed updates.
+    updates: Mapping[int, tuple] = dataclasses.field(default_factory=dict)
 
 
 def _write_merged(
@@ -611,7 +652,7 @@ def _write_merged(
     weighted mean), then the previous server state (if any). Returns the output's record, the state's
     record and the sha256 of every input file (empty without checksums)."""
     order = [t for shard in plan for t in shard]
-    start_i = None if merge.plain else sites
+    start_i = None if merge.plain and not merge.updates else sites
     state_i = sites + 1 if len(folders) > sites + 1 else None
     state_slots = slots(merge.optimizer)
     reads = []
@@ -620,8 +661,13 @@ def _write_merged(
             reads.append(
                 [[f"{s}.{t.name}" for s in state_slots] if t.dtype.is_floating_point else [] for t in order]
             )
+        elif i in merge.updates:
+            header = merge.updates[i][0]
+            reads.append([[t.name + s for s in _suffixes(header.tensors[t.name])] for t in order])
         else:
             reads.append([[t.name] for t in order])
+    # The reader reads an update's parts from its own files.
+    folders = [merge.updates[i][1] if i in merge.updates else f for i, f in enumerate(folders)]
     # Elementwise work goes chunk by chunk (methods.CHUNK entries), so that the dozen passes of a merge
     # and a server step run on cache-resident data and read each input once.
     chunk = min(max(t.numel for t in order), CHUNK)
@@ -645,7 +691,8 @@ def _write_merged(
         shard_started = time.perf_counter()
         for k, tensor in enumerate(order):
             reader.reached(k)
-            sources = [reader.get(i, tensor.name) for i in range(sites)]
+            base = reader.get(start_i, tensor.name) if start_i is not None else None
+            sources = [_site_tensor(reader, i, tensor.name, base, merge) for i in range(sites)]
             slot, result = output.slot(tensor)
             if not sources[0].dtype.is_floating_point:
                 _check_identical(tensor.name, sources, [f.site for f in folders[:sites]])
@@ -657,7 +704,6 @@ def _write_merged(
             else:
                 old = {s: reader.get(state_i, f"{s}.{tensor.name}") if state_i else None for s in state_slots}
                 taken = {s: state.slot(_state_tensor(s, tensor)) for s in state_slots}
-                base = reader.get(start_i, tensor.name)
                 new = {s: buf for s, (_, buf) in taken.items()}
                 _step_into(result, merge, tensor, base, sources, weights, old, new, buffers[0])
                 for s, (state_slot, _) in taken.items():
@@ -673,6 +719,16 @@ def _write_merged(
             state_record = {"tensors": 0, "parameters": 0, "bytes": 0, "files": {}}
         digests = reader.digests()
     return record, state_record, digests
+
+
+def _site_tensor(reader: FolderReader, i: int, name: str, base, merge: _Merge) -> torch.Tensor:
+    """Site i's tensor `name`, flat: as stored, or rebuilt from its compressed update and the start."""
+    if i not in merge.updates:
+        return reader.get(i, name)
+    header, _, rebuilder = merge.updates[i]
+    entry = header.tensors[name]
+    parts = {s: reader.get(i, name + s) for s in _suffixes(entry)}
+    return rebuilder.rebuild(base, parts, entry.encoding, entry.shape)
 
 
 def _mean_into(result: torch.Tensor, sources, weights, buffers) -> None:

@@ -1114,6 +1114,64 @@ class Remote:
     ssh_options: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class ExchangeOptions:
+    """federation.exchange: what a site sends each round, its model (dtype full) or its update
+    compressed (fedtune.core.exchange), and whether it keeps what compression dropped (error feedback)."""
+
+    dtype: str = "full"
+    scale: str = "block"
+    block_size: int = 64
+    error_feedback: bool = True
+
+    @property
+    def compressed(self) -> bool:
+        return self.dtype != "full"
+
+    @property
+    def keeps_residual(self) -> bool:
+        return self.compressed and self.error_feedback
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping, source: str = "federation.exchange") -> ExchangeOptions:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(
+                f"{source}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})"
+            )
+        options = cls(**values)
+        if options.dtype not in ("full", "bf16", "fp16", "int8", "int4"):
+            raise ConfigError(f"{source}.dtype: {options.dtype!r} is not one of full, bf16, fp16, int8, int4")
+        if options.scale not in ("row", "block"):
+            raise ConfigError(f"{source}.scale: {options.scale!r} is not row or block")
+        if (
+            isinstance(options.block_size, bool)
+            or not isinstance(options.block_size, int)
+            or options.block_size < 8
+        ):
+            raise ConfigError(f"{source}.block_size: {options.block_size!r} is not a whole number >= 8")
+        return options
+
+    @classmethod
+    def from_json(cls, text: str) -> ExchangeOptions:
+        return cls.from_mapping(json.loads(text), "--options")
+
+
+def _exchange_options(config: Mapping, sites: Mapping[str, Site], source: str) -> ExchangeOptions:
+    """federation.exchange, and what it cannot combine with: adapters already send megabytes."""
+    options = ExchangeOptions.from_mapping(config["federation"]["exchange"], f"{source}: federation.exchange")
+    if options.compressed and any(site.train.adapter for site in sites.values()):
+        raise ConfigError(
+            f"{source}: federation.exchange.dtype: {options.dtype} compresses whole-model updates, but the "
+            "sites train adapters (train.adapter), which are sent as they are; set dtype: full"
+        )
+    return options
+
+
 DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
@@ -1210,6 +1268,7 @@ class RunConfig:
     sweep: tuple[SweepPoint, ...]
     tracking: TrackingOptions
     smoke: bool = False
+    exchange: ExchangeOptions = ExchangeOptions()
     scratch_results: str | None = None
     scratch_purge: str | None = None
     scratch_keep: str | None = None
@@ -1485,6 +1544,7 @@ def build_run_config(config: dict, *, source: str = "config", base_dir: Path | N
         scratch_results=config["scratch_results"],
         scratch_purge=config["scratch_purge"],
         scratch_keep=config["scratch_keep"],
+        exchange=_exchange_options(config, sites, source),
     )
 
 

@@ -28,6 +28,12 @@ def aggregate_item(run: RunConfig) -> str:
     return "adapter" if uses_adapters(run) else "model"
 
 
+def site_item(run: RunConfig) -> str:
+    """The folder of round-<r>/<site>/ that travels: the compressed update (federation.exchange) or the
+    model."""
+    return "update" if run.exchange.compressed else "model"
+
+
 def crossing_items(run: RunConfig) -> list[Crossing]:
     """Everything that crosses between clusters, in the order the rounds need it; none without a cluster."""
     if run.cluster is None:
@@ -41,7 +47,13 @@ def crossing_items(run: RunConfig) -> list[Crossing]:
             Crossing(f"data/{name}/manifest.json", site.cluster, run.aggregate_on, 0, f"{name}'s manifest")
         )
         items += [
-            Crossing(f"round-{r}/{name}/model", site.cluster, run.aggregate_on, r, f"{name}'s model")
+            Crossing(
+                f"round-{r}/{name}/{site_item(run)}",
+                site.cluster,
+                run.aggregate_on,
+                r,
+                f"{name}'s {site_item(run)}",
+            )
             for r in rounds
         ]
     for receiver in sorted({site.cluster for site in run.sites.values()} - {run.aggregate_on}):

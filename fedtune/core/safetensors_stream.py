@@ -92,6 +92,7 @@ class WeightFolder:
     files: dict[str, int] = field(default_factory=dict)  # every file read -> size in bytes
     data_start: dict[str, int] = field(default_factory=dict)  # weight file -> bytes before its data
     label: str = ""  # the folder in messages: "site alpha", "the start model"
+    update: tuple | None = None  # a compressed update (fedtune.core.exchange): (header, its parts' folder)
 
 
 def read_header(path: Path) -> dict:

@@ -216,6 +216,13 @@ def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
+def sent_folder(model_dir: Path) -> Path:
+    """The folder a site sends each round: its compressed update (federation.exchange) where there is
+    one beside its model, else the model folder."""
+    update = model_dir.parent / "update"
+    return update if update.is_dir() else model_dir
+
+
 def task_tables(
     paths: Sequence[str | Path], names: Sequence[str], sites: Sequence[str]
 ) -> dict[str, pd.DataFrame]:
@@ -277,8 +284,9 @@ def training_table(entries: Sequence[tuple[int, str, Path]]) -> pd.DataFrame:
                 "backend": t.get("backend"),
                 "sharding": t.get("sharding"),
                 # What the site's folder moves to the aggregating cluster each round: a whole model, or
-                # with train.adapter only the adapter (fetch_site_model copies the folder as it is).
-                "sent_mb": None if site == "pooled" else folder_bytes(Path(path).parent) / 1e6,
+                # with train.adapter only the adapter (fetch_site_model copies the folder as it is), or
+                # with federation.exchange compressed its update folder beside it.
+                "sent_mb": None if site == "pooled" else folder_bytes(sent_folder(Path(path).parent)) / 1e6,
             }
         )
     table = pd.DataFrame(rows, columns=TRAINING_COLUMNS)

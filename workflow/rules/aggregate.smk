@@ -14,7 +14,7 @@ if aggregates_here() and not ADAPTERS:
 
     rule aggregate:
         input:
-            models=lambda wc: [site_model_dir(wc.round, site) for site in SITES],
+            models=lambda wc: [merge_input_dir(wc.round, site) for site in SITES],
             manifests=[manifest_path(site) for site in SITES],
             start=lambda wc: init_model_dir(wc.round),
             server_state=server_state_in,
@@ -61,7 +61,7 @@ if aggregates_here() and not ADAPTERS:
 
     rule aggregate_compare:
         input:
-            models=lambda wc: [site_model_dir(wc.round, site) for site in SITES],
+            models=lambda wc: [merge_input_dir(wc.round, site) for site in SITES],
             manifests=[manifest_path(site) for site in SITES],
             start=lambda wc: init_model_dir(wc.round),
         output:

@@ -351,7 +351,50 @@ def compare_model_dir(round, method):
 
 
 def site_model_args(wildcards):
-    return [f"{site}={site_model_dir(wildcards.round, site)}" for site in SITES]
+    return [f"{site}={merge_input_dir(wildcards.round, site)}" for site in SITES]
+
+
+# federation.exchange (exchange.smk): with a compressed dtype the sites send their updates, and the merge
+# reads them; with error feedback each site keeps a residual for its next round.
+EXCHANGE = RUN.exchange
+COMPRESSED = EXCHANGE.compressed
+
+
+def site_update_dir(round, site):
+    return run_path(f"round-{round}", site, "update")
+
+
+def site_residual_dir(round, site):
+    return run_path(f"round-{round}", site, "residual")
+
+
+def merge_input_dir(round, site):
+    """What the merge reads of a site: its compressed update, or its model."""
+    return site_update_dir(round, site) if COMPRESSED else site_model_dir(round, site)
+
+
+RESIDUAL_OUTPUT = (
+    {"residual_out": directory(site_residual_dir("{round}", "{site}"))}
+    if EXCHANGE.keeps_residual
+    else {}
+)
+
+
+def previous_residual(wildcards):
+    if not EXCHANGE.keeps_residual or int(wildcards.round) == 1:
+        return []
+    return [site_residual_dir(int(wildcards.round) - 1, wildcards.site)]
+
+
+def residual_args(wildcards, input, output):
+    args = (
+        f"--residual-out {shlex.quote(output.residual_out)}"
+        if EXCHANGE.keeps_residual
+        else ""
+    )
+    if input.residual:
+        args += f" --residual-in {shlex.quote(input.residual[0])}"
+    return args
 
 
 # Evaluate jobs.
@@ -551,6 +594,8 @@ def remote_path(cluster, target):
 
 
 AGGREGATE_ITEM = "adapter" if ADAPTERS else "model"
+# What of a site's round crosses: its compressed update (federation.exchange) or its model folder.
+SITE_ITEM = "update" if COMPRESSED else "model"
 
 
 def crossing_items():
@@ -561,7 +606,7 @@ def crossing_items():
 
 
 # The paths an item may have (a wildcard constraint), and the clusters this one pushes to.
-CROSSING_ITEM = r"data/[A-Za-z][A-Za-z0-9_]*/manifest\.json|round-\d+/[A-Za-z][A-Za-z0-9_]*/(model|adapter)"
+CROSSING_ITEM = r"data/[A-Za-z][A-Za-z0-9_]*/manifest\.json|round-\d+/[A-Za-z][A-Za-z0-9_]*/(model|adapter|update)"
 PUSH_TO = sorted(
     {receiver for _, maker, receiver, *_ in crossing_items() if maker == HERE}
     & {cluster for cluster in RUN.remotes if transfer_mode(cluster) == "push"}
@@ -679,6 +724,10 @@ def stage_outputs():
     outputs += tokenized_outputs()
     if not aggregates_here():
         outputs += [site_model_dir(r, site) for r in ROUNDS for site in LOCAL_SITES]
+        if COMPRESSED:
+            outputs += [
+                site_update_dir(r, site) for r in ROUNDS for site in LOCAL_SITES
+            ]
         # What the models' cluster sends back for the next round; with adapters, each local site's
         # start model that its training job merges from it.
         outputs += [
@@ -693,6 +742,8 @@ def stage_outputs():
         # Other clusters' manifests and models arrive here (fetch_manifest, fetch_site_model).
         outputs += [manifest_path(site) for site in REMOTE_SITES]
         outputs += [site_model_dir(r, site) for r in ROUNDS for site in SITES]
+        if COMPRESSED:
+            outputs += [site_update_dir(r, site) for r in ROUNDS for site in SITES]
         for r in ROUNDS:
             outputs.append(aggregate_model_dir(r))
             if ADAPTERS:

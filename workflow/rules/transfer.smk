@@ -31,17 +31,21 @@ rule fetch_manifest:
 # site's model of round r comes from round r-1's aggregate): no R jobs polling from the first minute.
 # Snakemake's `use rule ... with:` resets localrule (9.27: the with block's default, False, replaces it),
 # so each inheriting rule says it again (test_plan.py: the fetches run in the controller).
+# With federation.exchange compressed, a site's update crosses instead (decode_site_model rebuilds the
+# model where it is needed).
 use rule fetch_manifest as fetch_site_model with:
     input:
         after=lambda wc: init_model_dir(wc.round),
     output:
-        directory(site_model_dir("{round}", "{site}")),
+        directory(
+            (site_update_dir if COMPRESSED else site_model_dir)("{round}", "{site}")
+        ),
     log:
         log_path("fetch_site_model", "{round}-{site}"),
     localrule: True
     params:
         args=lambda wc, output: receive_args(
-            f"round-{wc.round}/{wc.site}/model", output[0]
+            f"round-{wc.round}/{wc.site}/{SITE_ITEM}", output[0]
         ),
 
 
