@@ -43,6 +43,7 @@ def crossing_items(run: RunConfig) -> list[Crossing]:
         items += [
             Crossing(f"round-{r}/{name}/model", site.cluster, run.aggregate_on, r, f"{name}'s model")
             for r in rounds
+            if name in run.round_sites(r)  # federation.participation
         ]
     for receiver in sorted({site.cluster for site in run.sites.values()} - {run.aggregate_on}):
         items += [
