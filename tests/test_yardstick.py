@@ -60,7 +60,9 @@ def test_the_embeddings_and_head_step_at_lr_times_the_factor(tied):
         )
     )
     lr = 0.01
-    optimizer = adamw(model, TrainOptions.from_mapping({"lr": lr, "embedding_lr_factor": 3.0}), torch.device("cpu"))
+    optimizer = adamw(
+        model, TrainOptions.from_mapping({"lr": lr, "embedding_lr_factor": 3.0}), torch.device("cpu")
+    )
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     ids = torch.randint(0, 64, (2, 8))
     model(input_ids=ids, labels=ids).loss.backward()
@@ -78,7 +80,11 @@ def test_one_lr_for_all_by_default():
 
     from fedtune.train.backends import parameter_groups
 
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2
+        )
+    )
     groups = parameter_groups(model, TrainOptions.from_mapping({}))
     assert len(groups) == 1 and groups[0]["lr_factor"] == 1.0
 
@@ -111,7 +117,9 @@ def write_eval(folder, model, round, values):
     for site, ppl in values.items():
         path = folder / f"{model}-{round}-{site}.json"
         path.write_text(
-            json.dumps({"model": model, "round": round, "site": site, "perplexity": ppl, "bits_per_byte": 1.0})
+            json.dumps(
+                {"model": model, "round": round, "site": site, "perplexity": ppl, "bits_per_byte": 1.0}
+            )
         )
         paths.append(path)
     return paths
@@ -216,13 +224,19 @@ def test_half_participation_trains_and_merges_only_the_sampled_sites(tmp_path, m
     expected = build_run_config(four_sites(**federation)).participants
     assert expected == sample_participants(SITES, 2, 2, seed=config["train"].get("seed", 1234))
     for round, sites in enumerate(expected, start=1):
-        trained = {job.wildcards["site"] for job in jobs if job.name == "train" and job.wildcards["round"] == str(round)}
+        trained = {
+            job.wildcards["site"]
+            for job in jobs
+            if job.name == "train" and job.wildcards["round"] == str(round)
+        }
         assert trained == set(sites)
     steps = config["train"]["max_steps"]
     (pooled,) = [job for job in jobs if job.name == "train_pooled"]
     assert f'"max_steps":{2 * 2 * steps}' in pooled.shell  # 2 rounds x 2 sites, not 4
     (swept,) = [job for job in jobs if job.name == "train_pooled_sweep"]
-    assert f'"lr":{2 * config["train"]["lr"]}' in swept.shell and "pooled/sweep/pooled-lr2x/model" in swept.shell
+    assert (
+        f'"lr":{2 * config["train"]["lr"]}' in swept.shell and "pooled/sweep/pooled-lr2x/model" in swept.shell
+    )
 
     # The first round's merge as the rule runs it, on stand-in site models.
     (merge,) = [job for job in jobs if job.name == "aggregate" and job.wildcards["round"] == "1"]
@@ -253,5 +267,7 @@ def test_half_participation_trains_and_merges_only_the_sampled_sites(tmp_path, m
     assert build_run_config(other).participants != expected
     write_config(tmp_path, other)
     moved = {(j.wildcards["round"], j.wildcards["site"]) for j in dry_run(tmp_path) if j.name == "train"}
-    assert moved == {(str(r), s) for r, sites in enumerate(build_run_config(other).participants, 1) for s in sites}
+    assert moved == {
+        (str(r), s) for r, sites in enumerate(build_run_config(other).participants, 1) for s in sites
+    }
     assert moved != set(again)

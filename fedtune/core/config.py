@@ -1314,7 +1314,9 @@ def _pooled_options(
     if all(site.train.max_steps is not None for site in sites.values()):
         trained = participants or [list(sites)] * rounds
         blocks = sum(
-            sites[name].train.max_steps * sites[name].train.global_batch for names in trained for name in names
+            sites[name].train.max_steps * sites[name].train.global_batch
+            for names in trained
+            for name in names
         )
         return dataclasses.replace(base, max_steps=-(-blocks // base.global_batch))
     # Epoch-based sites: as many passes over the pooled data as each site makes over its own.
@@ -1462,7 +1464,11 @@ def build_run_config(config: dict, *, source: str = "config", base_dir: Path | N
     _check_cluster(config, sites, aggregate_on, remotes, source)
     _check_data_stays(config, sites, source)
     participants = participating_sites(
-        list(sites), federation, config["train"]["seed"], source, adapters=config["train"]["adapter"] is not None
+        list(sites),
+        federation,
+        config["train"]["seed"],
+        source,
+        adapters=config["train"]["adapter"] is not None,
     )
     pooled = None
     pooled_points: tuple[PooledPoint, ...] = ()
@@ -1656,7 +1662,9 @@ def participation_count(participation: int | float | None, sites: int, where: st
     return math.ceil(participation * sites - 1e-9)
 
 
-def sample_participants(sites: Sequence[str], count: int, rounds: int, seed: int) -> tuple[tuple[str, ...], ...]:
+def sample_participants(
+    sites: Sequence[str], count: int, rounds: int, seed: int
+) -> tuple[tuple[str, ...], ...]:
     """The sites of each round: `count` of `sites` drawn afresh per round, in the sites' order. The draw
     of round r depends only on (seed, r) and the sites, never on the process (no hash randomisation), so
     every cluster and every dry run draws the same sites."""

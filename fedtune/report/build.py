@@ -114,7 +114,9 @@ def parse_pooled_point(item: str) -> tuple[str, tuple[float, float]]:
     except ValueError:
         lr = factor = None
     if not (sep and is_pooled(model) and lr is not None):
-        raise ReportError(f"--pooled-point: {item!r} is not MODEL=LR,FACTOR (for example pooled-lr2x=0.002,1)")
+        raise ReportError(
+            f"--pooled-point: {item!r} is not MODEL=LR,FACTOR (for example pooled-lr2x=0.002,1)"
+        )
     return model, (lr, factor)
 
 
@@ -764,7 +766,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = _settings(args.settings)
     if bool(args.tasks) != bool(args.task_names):
         raise ReportError("--tasks and --task-names go together: the score CSVs and the tasks to tabulate")
-    paths = report(args.out, args.eval, training, losses, settings, args.tasks, args.task_names, pooled_points)
+    paths = report(
+        args.out, args.eval, training, losses, settings, args.tasks, args.task_names, pooled_points
+    )
     table = next(path for key, path in paths.items() if key.endswith("_md") and key != "training_md")
     print(Path(table).read_text(encoding="utf-8"), file=sys.stderr)
     for line in data_read(settings or {}):

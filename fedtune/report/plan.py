@@ -220,7 +220,9 @@ def scratch_parts(run: RunConfig, cluster: str | None, model_config: Mapping) ->
             else 0
         )
     if here and run.pooled is not None:
-        parts["pooled model" if not run.pooled_points else "pooled models"] = (1 + len(run.pooled_points)) * model
+        parts["pooled model" if not run.pooled_points else "pooled models"] = (
+            1 + len(run.pooled_points)
+        ) * model
     return {name: n for name, n in parts.items() if n}
 
 

@@ -423,7 +423,10 @@ class DeepSpeedBackend:
             # torch's AdamW, the optimizer of the FSDP backend: both backends then compute the same steps.
             optimizer = adamw(model, options, job.device)
         self.engine, *_ = deepspeed.initialize(
-            model=model, optimizer=optimizer, model_parameters=parameter_groups(model, options), config=self.config
+            model=model,
+            optimizer=optimizer,
+            model_parameters=parameter_groups(model, options),
+            config=self.config,
         )
         self.proximal = Proximal(options.fedprox_mu, self._local_tensors) if options.fedprox_mu else None
 

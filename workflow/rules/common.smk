@@ -191,9 +191,12 @@ def pooled_point_args():
     """The report's --pooled-point of every pooled model: its lr and embedding/head lr factor."""
     if not RUN.pooled:
         return ""
-    points = [("pooled", RUN.pooled)] + [(p.label, p.options) for p in POOLED_POINTS.values()]
+    points = [("pooled", RUN.pooled)] + [
+        (p.label, p.options) for p in POOLED_POINTS.values()
+    ]
     return "--pooled-point " + " ".join(
-        f"{label}={options.lr!r},{options.embedding_lr_factor!r}" for label, options in points
+        f"{label}={options.lr!r},{options.embedding_lr_factor!r}"
+        for label, options in points
     )
 
 
@@ -386,7 +389,9 @@ def site_model_args(wildcards):
 
 def round_model_dirs(wildcards):
     """The site models a round's merge reads: its participating sites'."""
-    return [site_model_dir(wildcards.round, site) for site in round_sites(wildcards.round)]
+    return [
+        site_model_dir(wildcards.round, site) for site in round_sites(wildcards.round)
+    ]
 
 
 def round_manifests(wildcards):
@@ -759,9 +764,7 @@ def stage_outputs():
     else:
         # Other clusters' manifests and models arrive here (fetch_manifest, fetch_site_model).
         outputs += [manifest_path(site) for site in REMOTE_SITES]
-        outputs += [
-            site_model_dir(r, site) for r in ROUNDS for site in round_sites(r)
-        ]
+        outputs += [site_model_dir(r, site) for r in ROUNDS for site in round_sites(r)]
         for r in ROUNDS:
             outputs.append(aggregate_model_dir(r))
             if ADAPTERS:
