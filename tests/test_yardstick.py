@@ -23,6 +23,8 @@ from fedtune.report.build import BEST_OF_SWEEP, YOUR_SETTINGS, parse_pooled_poin
 from .test_aggregate import random_tensors, write_checkpoint, write_manifest
 from .workflow_harness import demo_config, dry_run, write_config
 
+pytest_plugins = ["tests.train_fixtures"]
+
 SITES = ["alpha", "beta", "gamma", "delta"]
 
 
@@ -73,6 +75,26 @@ def test_the_embeddings_and_head_step_at_lr_times_the_factor(tied):
     assert set(moved) >= vocab
     for name, step in moved.items():
         assert step == pytest.approx(3 * lr if name in vocab else lr, rel=1e-3), name
+
+
+def test_the_train_stage_steps_the_embeddings_and_head_further_under_fsdp(
+    tiny_model_dir, site_manifest, tmp_path
+):
+    """Through `python -m fedtune.train` (FSDP2, 2 ranks): one step of Adam moves every weight by
+    about the step's lr, so with the factor 4 the embeddings and the untied head move 4 times as far as
+    the attention weights."""
+    from .train_runs import run_training, weights
+
+    options = {"backend": "fsdp", "sharding": "full", "max_steps": 1, "warmup_steps": 0}
+    run_training(tiny_model_dir, site_manifest, tmp_path, options | {"embedding_lr_factor": 4.0})
+    start, end = weights(tiny_model_dir), weights(tmp_path / "model")
+
+    def moved(name):
+        return float((end[name].double() - start[name].double()).abs().max())
+
+    attention = moved("model.layers.0.self_attn.q_proj.weight")
+    assert moved("model.embed_tokens.weight") == pytest.approx(4 * attention, rel=0.02)
+    assert moved("lm_head.weight") == pytest.approx(4 * attention, rel=0.02)
 
 
 def test_one_lr_for_all_by_default():

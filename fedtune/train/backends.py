@@ -422,10 +422,13 @@ class DeepSpeedBackend:
         if "optimizer" not in self.config:
             # torch's AdamW, the optimizer of the FSDP backend: both backends then compute the same steps.
             optimizer = adamw(model, options, job.device)
+        # DeepSpeed's own optimizer (offload) builds its groups from model_parameters: the embedding/head
+        # group (train.embedding_lr_factor) goes there; torch's AdamW above has it already.
+        grouped = optimizer is None and options.embedding_lr_factor != 1
         self.engine, *_ = deepspeed.initialize(
             model=model,
             optimizer=optimizer,
-            model_parameters=parameter_groups(model, options),
+            model_parameters=parameter_groups(model, options) if grouped else trainable(model),
             config=self.config,
         )
         self.proximal = Proximal(options.fedprox_mu, self._local_tensors) if options.fedprox_mu else None
