@@ -293,3 +293,19 @@ def test_half_participation_trains_and_merges_only_the_sampled_sites(tmp_path, m
         (str(r), s) for r, sites in enumerate(build_run_config(other).participants, 1) for s in sites
     }
     assert moved != set(again)
+
+
+def test_status_waits_only_for_the_sampled_sites(tmp_path):
+    """python -m fedtune.report.status lists each round's sampled sites and expects their evaluations
+    only: a site left out of a round is not "waiting" for it."""
+    from fedtune.report.status import collect, layout_from_config
+
+    config = four_sites(participation=2)
+    config["results"] = str(tmp_path / "results")
+    expected = build_run_config(json.loads(json.dumps(config))).participants
+    layout = layout_from_config(write_config(tmp_path, config))
+    status = collect(layout)
+    listed = [(s["round"], s["site"]) for s in status["sites"]]
+    assert listed == [(r, s) for r, sites in enumerate(expected, start=1) for s in sites]
+    assert layout.evaluated(2) == (*expected[1], "aggregate")
+    assert status["rounds"][-1]["evaluations_expected"] == 3 * 4  # 2 sites + aggregate, on 4 test sets
