@@ -26,7 +26,9 @@ import dataclasses
 import functools
 import importlib.resources
 import json
+import math
 import os
+import random
 import re
 import string
 import sys
@@ -367,6 +369,7 @@ class TrainOptions(_Options):
     max_steps: int | None
     epochs: float
     lr: float
+    embedding_lr_factor: float
     min_lr_ratio: float
     weight_decay: float
     betas: tuple[float, float]
@@ -1272,6 +1275,14 @@ class RunConfig:
     scratch_results: str | None = None
     scratch_purge: str | None = None
     scratch_keep: str | None = None
+    # federation.pooled_lr_factors / pooled_embedding_lr_factors: the pooled models beside `pooled`.
+    pooled_points: tuple[PooledPoint, ...] = ()
+    # federation.participation: the sites of each round (index round - 1); empty: every site, every round.
+    participants: tuple[tuple[str, ...], ...] = ()
+
+    def round_sites(self, round: int) -> tuple[str, ...]:
+        """The sites that train in round `round` and whose models its aggregate merges."""
+        return self.participants[int(round) - 1] if self.participants else tuple(self.sites)
 
     @property
     def run_dir(self) -> Path:
@@ -1351,13 +1362,21 @@ def site_train_options(config: Mapping, site: str, *, source: str = "config") ->
     return TrainOptions.from_mapping(merged, source=source, prefix=f"sites.{site}.train")
 
 
-def _pooled_options(config: Mapping, sites: Mapping[str, Site], source: str) -> TrainOptions:
+def _pooled_options(
+    config: Mapping, sites: Mapping[str, Site], source: str, participants: Sequence[Sequence[str]] = ()
+) -> TrainOptions:
     """The pooled baseline's training: the top-level train section over every site's data, with as many
-    blocks as the whole federation trains (every site, every round), so that it sees the same tokens."""
+    blocks as the whole federation trains (every participating site, every round), so that it sees the
+    same tokens."""
     rounds = config["federation"]["rounds"]
     base = TrainOptions.from_mapping(config["train"], source=source, prefix="train")
     if all(site.train.max_steps is not None for site in sites.values()):
-        blocks = sum(rounds * site.train.max_steps * site.train.global_batch for site in sites.values())
+        trained = participants or [list(sites)] * rounds
+        blocks = sum(
+            sites[name].train.max_steps * sites[name].train.global_batch
+            for names in trained
+            for name in names
+        )
         return dataclasses.replace(base, max_steps=-(-blocks // base.global_batch))
     # Epoch-based sites: as many passes over the pooled data as each site makes over its own.
     return dataclasses.replace(base, max_steps=None, epochs=rounds * base.epochs)
@@ -1503,7 +1522,22 @@ def build_run_config(config: dict, *, source: str = "config", base_dir: Path | N
     remotes = _remotes(federation)
     _check_cluster(config, sites, aggregate_on, remotes, source)
     _check_data_stays(config, sites, source)
+    participants = participating_sites(
+        list(sites),
+        federation,
+        config["train"]["seed"],
+        source,
+        adapters=config["train"]["adapter"] is not None,
+    )
+    exchange = _exchange_options(config, sites, source)
+    if participants and exchange.keeps_residual:
+        raise ConfigError(
+            f"{source}: federation.participation: {federation['participation']!r} leaves sites out of rounds, "
+            "but federation.exchange.error_feedback carries each site's residual from its round before; set "
+            "error_feedback: false or leave participation null"
+        )
     pooled = None
+    pooled_points: tuple[PooledPoint, ...] = ()
     if federation["pooled_baseline"]:
         clusters = sorted({site.cluster for site in sites.values()})
         if len(clusters) > 1:
@@ -1511,7 +1545,8 @@ def build_run_config(config: dict, *, source: str = "config", base_dir: Path | N
                 f"{source}: federation.pooled_baseline: needs every site's training data on one cluster, "
                 f"but the sites train on {', '.join(clusters)}"
             )
-        pooled = _pooled_options(config, sites, source)
+        pooled = _pooled_options(config, sites, source, participants)
+        pooled_points = pooled_sweep(federation, pooled, source)
     return RunConfig(
         raw=config,
         run=config["run"],
@@ -1544,7 +1579,9 @@ def build_run_config(config: dict, *, source: str = "config", base_dir: Path | N
         scratch_results=config["scratch_results"],
         scratch_purge=config["scratch_purge"],
         scratch_keep=config["scratch_keep"],
-        exchange=_exchange_options(config, sites, source),
+        exchange=exchange,
+        pooled_points=pooled_points,
+        participants=participants,
     )
 
 
@@ -1627,3 +1664,102 @@ def refuse_broken_configfiles(argv: Sequence[str]) -> None:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         raise SystemExit(2)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The pooled yardstick's sweep (federation.pooled_lr_factors, pooled_embedding_lr_factors; issue 39)
+
+
+@dataclass(frozen=True)
+class PooledPoint:
+    """One pooled model of the yardstick's sweep: its label (the report's model name and its folder
+    pooled/sweep/<label>), its lr and embedding/head factor, and its train options."""
+
+    label: str
+    lr: float
+    embedding_lr_factor: float
+    options: TrainOptions
+
+
+def pooled_point_label(lr_factor: float, embedding_lr_factor: float | None) -> str:
+    """`pooled-lr2x`, or with an embedding/head factor of the sweep `pooled-lr2x-emb2x`."""
+    label = f"pooled-lr{lr_factor:g}x"
+    return label if embedding_lr_factor is None else f"{label}-emb{embedding_lr_factor:g}x"
+
+
+def pooled_sweep(federation: Mapping, pooled: TrainOptions, source: str) -> tuple[PooledPoint, ...]:
+    """The pooled models besides the one at the user's settings (`pooled`): every lr factor crossed with
+    every embedding/head factor (none: the train section's), the user's own point left out."""
+    embedding_factors = federation["pooled_embedding_lr_factors"] or [None]
+    points = []
+    for lr_factor in federation["pooled_lr_factors"]:
+        for embedding in embedding_factors:
+            factor = pooled.embedding_lr_factor if embedding is None else float(embedding)
+            if lr_factor == 1 and factor == pooled.embedding_lr_factor:
+                continue  # the pooled model at the user's settings (pooled/model)
+            options = dataclasses.replace(pooled, lr=pooled.lr * lr_factor, embedding_lr_factor=factor)
+            options.check(f"{source}: federation.pooled_lr_factors ({lr_factor:g}): ")
+            points.append(PooledPoint(pooled_point_label(lr_factor, embedding), options.lr, factor, options))
+    return tuple(points)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Partial participation (federation.participation; issue 39)
+
+
+def participation_count(participation: int | float | None, sites: int, where: str) -> int:
+    """How many of `sites` sites train each round: a whole number is a count, a number with a decimal
+    point a fraction of the sites (rounded up), None every site. Refuses what cannot be met."""
+    if participation is None:
+        return sites
+    if isinstance(participation, bool) or not isinstance(participation, int | float):
+        raise ConfigError(f"{where}: {participation!r} is neither a count of sites nor a fraction")
+    if isinstance(participation, int):
+        if not 1 <= participation <= sites:
+            raise ConfigError(
+                f"{where}: {participation} sites per round, but the federation has {sites}; give a count "
+                f"from 1 to {sites}, or a fraction such as 0.5"
+            )
+        return participation
+    if not 0 < participation <= 1:
+        raise ConfigError(
+            f"{where}: {participation!r} is a fraction above 1 (or not positive); give a fraction in (0, 1] "
+            f"or a whole number of sites from 1 to {sites}"
+        )
+    return math.ceil(participation * sites - 1e-9)
+
+
+def sample_participants(
+    sites: Sequence[str], count: int, rounds: int, seed: int
+) -> tuple[tuple[str, ...], ...]:
+    """The sites of each round: `count` of `sites` drawn afresh per round, in the sites' order. The draw
+    of round r depends only on (seed, r) and the sites, never on the process (no hash randomisation), so
+    every cluster and every dry run draws the same sites."""
+    drawn = []
+    for round in range(1, rounds + 1):
+        chosen = set(random.Random(f"fedtune-participation:{seed}:{round}").sample(list(sites), count))
+        drawn.append(tuple(site for site in sites if site in chosen))
+    return tuple(drawn)
+
+
+def participating_sites(
+    sites: Sequence[str], federation: Mapping, train_seed: int, source: str, *, adapters: bool = False
+) -> tuple[tuple[str, ...], ...]:
+    """federation.participation as each round's sites; empty when every site trains every round."""
+    where = f"{source}: federation.participation"
+    count = participation_count(federation["participation"], len(sites), where)
+    if count == len(sites):
+        return ()
+    if federation["site_optimizer"] == "keep":
+        raise ConfigError(
+            f"{where}: {federation['participation']!r} leaves sites out of rounds, but "
+            "federation.site_optimizer: keep needs each site's optimizer state of the round before; use "
+            "site_optimizer: reset"
+        )
+    if adapters:
+        raise ConfigError(
+            f"{where}: {federation['participation']!r} is not supported with train.adapter (each cluster "
+            "merges its start model from its sites' previous round); leave participation null"
+        )
+    seed = train_seed if federation["participation_seed"] is None else federation["participation_seed"]
+    return sample_participants(sites, count, federation["rounds"], seed)

@@ -55,6 +55,7 @@ def crossing_items(run: RunConfig) -> list[Crossing]:
                 f"{name}'s {site_item(run)}",
             )
             for r in rounds
+            if name in run.round_sites(r)  # federation.participation
         ]
     for receiver in sorted({site.cluster for site in run.sites.values()} - {run.aggregate_on}):
         items += [

@@ -27,7 +27,7 @@ import itertools
 import json
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,6 +106,20 @@ def parse_labelled(item: str, option: str) -> tuple[int, str, Path]:
     return int(round_text), site, Path(path)
 
 
+def parse_pooled_point(item: str) -> tuple[str, tuple[float, float]]:
+    """MODEL=LR,FACTOR (--pooled-point) -> (model, (lr, embedding/head lr factor))."""
+    model, sep, values = item.partition("=")
+    try:
+        lr, factor = (float(v) for v in values.split(","))
+    except ValueError:
+        lr = factor = None
+    if not (sep and is_pooled(model) and lr is not None):
+        raise ReportError(
+            f"--pooled-point: {item!r} is not MODEL=LR,FACTOR (for example pooled-lr2x=0.002,1)"
+        )
+    return model, (lr, factor)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Tables
 
@@ -119,45 +133,86 @@ def model_order(model: str, sites: Sequence[str]) -> tuple[int, int, str]:
         return (2, 0, model)
     if model == POOLED:
         return (4, 0, model)
+    if is_pooled(model):
+        return (5, 0, model)
     return (3, 0, model)
 
 
-def gap_table(table: pd.DataFrame, metrics: Metrics) -> pd.DataFrame:
-    """The federation gap per round, merged model and site: how many times worse than the pooled model
-    (trained on every site's data at once) the merged model is: perplexity / pooled perplexity, or for
-    classifiers pooled accuracy / accuracy. 1 is as good as pooling the data. Merged models are the
-    aggregate and any compared merge method (every model that is neither base, pooled nor a site)."""
+def is_pooled(model: str) -> bool:
+    """The pooled model at the run's settings (`pooled`) or one of its lr sweep (`pooled-lr2x`, ...)."""
+    return model == POOLED or model.startswith(f"{POOLED}-")
+
+
+# The yardsticks of the gap table: the pooled model at the run's settings, and the best of its lr sweep.
+YOUR_SETTINGS = "pooled at your settings"
+BEST_OF_SWEEP = "best pooled of the lr sweep"
+GAP_KEYS = ["round", "model", "yardstick", "pooled_model", "pooled_lr", "pooled_embedding_lr_factor"]
+
+
+def best_pooled(table: pd.DataFrame, metrics: Metrics) -> str | None:
+    """The pooled model that does best over all sites: the lowest geometric mean perplexity (the
+    highest mean accuracy). None without a pooled model."""
     sites = list(table.columns[2:])
+    pooled = table[table["model"].map(is_pooled)].dropna(subset=sites)
+    if pooled.empty:
+        return None
+    values = pooled[sites].astype(float)
+    if metrics.lower_is_better:
+        score = values.apply(lambda row: math.exp(sum(map(math.log, row)) / len(row)), axis=1)
+        return str(pooled.loc[score.idxmin(), "model"])
+    return str(pooled.loc[values.mean(axis=1).idxmax(), "model"])
+
+
+def gap_table(
+    table: pd.DataFrame, metrics: Metrics, pooled_points: Mapping[str, tuple[float, float]] | None = None
+) -> pd.DataFrame:
+    """The federation gap per round, merged model, yardstick and site: how many times worse than a pooled
+    model (trained on every site's data at once) the merged model is: perplexity / pooled perplexity, or
+    for classifiers pooled accuracy / accuracy. 1 is as good as pooling the data. Merged models are the
+    aggregate and any compared merge method (every model that is neither base, pooled nor a site).
+
+    Two yardsticks where the run has the pooled lr sweep (federation.pooled_lr_factors): the pooled model
+    at the run's settings, and the sweep's best (`best_pooled`, the same model for every row), each with
+    its lr and embedding/head factor from `pooled_points` (label -> (lr, factor)) where given."""
+    sites = list(table.columns[2:])
+    points = dict(pooled_points or {})
     pooled = table[table["model"] == POOLED]
     if pooled.empty:
-        return pd.DataFrame(columns=["round", "model", *sites])
-    reference = pooled.iloc[0]
-    merged = table[~table["model"].isin([BASE, POOLED, *sites])]
+        return pd.DataFrame(columns=[*GAP_KEYS, *sites])
+    yardsticks = [(YOUR_SETTINGS, POOLED)]
+    if (table["model"].map(is_pooled) & (table["model"] != POOLED)).any():
+        yardsticks.append((BEST_OF_SWEEP, best_pooled(table, metrics) or POOLED))
+    merged = table[~table["model"].map(is_pooled) & ~table["model"].isin([BASE, *sites])]
     rows = []
     for _, row in merged.iterrows():
-        ratios = {}
-        for site in sites:
-            value, best = row[site], reference[site]
-            if pd.isna(value) or pd.isna(best):
-                ratios[site] = None
-            else:
-                ratios[site] = value / best if metrics.lower_is_better else best / value
-        rows.append({"round": row["round"], "model": row["model"], **ratios})
-    return pd.DataFrame(rows, columns=["round", "model", *sites])
+        for yardstick, name in yardsticks:
+            reference = table[table["model"] == name].iloc[0]
+            lr, factor = points.get(name, (None, None))
+            ratios = {}
+            for site in sites:
+                value, best = row[site], reference[site]
+                if pd.isna(value) or pd.isna(best):
+                    ratios[site] = None
+                else:
+                    ratios[site] = value / best if metrics.lower_is_better else best / value
+            keys = [row["round"], row["model"], yardstick, name, lr, factor]
+            rows.append({**dict(zip(GAP_KEYS, keys, strict=True)), **ratios})
+    return pd.DataFrame(rows, columns=[*GAP_KEYS, *sites])
 
 
 def gap_figure(gap: pd.DataFrame, path: Path) -> None:
     """The gap of each merged model over the rounds, one line per (model, site), log scale."""
     plt = _pyplot()
-    sites = list(gap.columns[2:])
+    sites = list(gap.columns[len(GAP_KEYS) :])
     fig, ax = plt.subplots(figsize=(6, 4), layout="constrained")
-    for m, (model, rows) in enumerate(gap.groupby("model", sort=False)):
+    for m, ((model, yardstick), rows) in enumerate(gap.groupby(["model", "yardstick"], sort=False)):
         rows = rows.sort_values("round")
+        # Solid: the aggregate against the pooled model at your settings; the best of the sweep dotted.
+        marker = "o" if yardstick == YOUR_SETTINGS else "s"
+        style = ("-" if yardstick == YOUR_SETTINGS else ":") if model == AGGREGATE else ["--", "-."][m % 2]
         for k, site in enumerate(sites):
-            style = "-" if model == AGGREGATE else ["--", ":", "-."][m % 3]
-            ax.plot(
-                rows["round"], rows[site], style, marker="o", color=f"C{k}", label=f"{model}, {site} test"
-            )
+            label = f"{model} vs {rows['pooled_model'].iloc[0]}, {site} test"
+            ax.plot(rows["round"], rows[site], style, marker=marker, color=f"C{k}", label=label)
     ax.axhline(1.0, color="grey", linewidth=1)
     ax.set_xlabel("round")
     ax.set_ylabel("gap to the pooled model (1 = as good)")
@@ -562,6 +617,7 @@ def report(
     settings: dict | None = None,
     tasks: Sequence[str | Path] = (),
     task_names: Sequence[str] = (),
+    pooled_points: Mapping[str, tuple[float, float]] | None = None,
 ) -> dict[str, Path]:
 
     out_dir = Path(out_dir)
@@ -626,7 +682,7 @@ def report(
         paths["training_html"],
         html_page("Training of each site", [(TRAINING_CAPTION, train, {"digits": training_digits})]),
     )
-    gap = gap_table(main, metrics)
+    gap = gap_table(main, metrics, pooled_points)
     if len(gap):
         paths.update(
             gap_csv=out_dir / "gap.csv",
@@ -642,7 +698,12 @@ def report(
         write_text(
             paths["gap_md"],
             f"Federation gap: {metrics.main} of each merged model relative to the pooled model (trained on "
-            "every site's data at once with the same tokens); 1 is as good as pooling the data.\n\n"
+            "every site's data at once with the same tokens); 1 is as good as pooling the data. "
+            f"Yardsticks: {YOUR_SETTINGS} (the train section's lr), and where the run sweeps the pooled "
+            f"model's lr (federation.pooled_lr_factors) also the {BEST_OF_SWEEP} (the lowest geometric "
+            "mean over the sites; pooled_lr is its lr): a pooled model at the sites' lr takes many more "
+            "sequential steps than a site and may be under-trained there, so a gap below 1 against it "
+            "alone is no sign that federation beats pooling.\n\n"
             + markdown(gap, digits={site: 2 for site in sites}),
         )
         gap_figure(gap, paths["gap_png"])
@@ -703,13 +764,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--settings", metavar="JSON", help="a JSON file of the run's config (with defaults)")
     cli.add_list(parser, "--tasks", "CSV", "downstream task scores")
     cli.add_list(parser, "--task-names", "TASK", "one table per task")
+    cli.add_list(
+        parser, "--pooled-point", "MODEL=LR,FACTOR", "each pooled model's lr and embedding/head lr factor"
+    )
     args = parser.parse_args(argv)
+    pooled_points = dict(parse_pooled_point(item) for item in args.pooled_point)
     training = [parse_labelled(item, "--training") for item in args.training]
     losses = [parse_labelled(item, "--loss") for item in args.loss]
     settings = _settings(args.settings)
     if bool(args.tasks) != bool(args.task_names):
         raise ReportError("--tasks and --task-names go together: the score CSVs and the tasks to tabulate")
-    paths = report(args.out, args.eval, training, losses, settings, args.tasks, args.task_names)
+    paths = report(
+        args.out, args.eval, training, losses, settings, args.tasks, args.task_names, pooled_points
+    )
     table = next(path for key, path in paths.items() if key.endswith("_md") and key != "training_md")
     print(Path(table).read_text(encoding="utf-8"), file=sys.stderr)
     for line in data_read(settings or {}):

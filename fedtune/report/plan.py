@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from fedtune.core.config import RunConfig
 
 # Rules whose jobs are trainings: their nodes x GPUs x time limit are the run's GPU-hours.
-TRAIN_RULES = ("train", "train_pooled", "train_sweep", "train_merging")
+TRAIN_RULES = ("train", "train_pooled", "train_pooled_sweep", "train_sweep", "train_merging")
 # A checkpoint holds fp32 weights and AdamW's two fp32 moments (training loads the model in fp32).
 CHECKPOINT_BYTES_PER_PARAM = 4 + 4 + 4
 ADAM_MOMENT_BYTES_PER_PARAM = 4 + 4  # federation.site_optimizer keep: a site's moments between rounds
@@ -205,8 +205,9 @@ def scratch_parts(run: RunConfig, cluster: str | None, model_config: Mapping) ->
         merged = rounds if here else (rounds - 1) * len(local)
         parts["merged models"] = merged * model
     else:
-        kept = len(run.sites) if here else len(local)
-        parts["site models"] = rounds * kept * model
+        kept = {s.name for s in (run.sites.values() if here else local)}
+        # federation.participation: a site keeps a model of the rounds it trains in only.
+        parts["site models"] = sum(len(kept & set(run.round_sites(r))) for r in range(1, rounds + 1)) * model
         received = rounds * (1 + len(run.aggregate.compare)) if here else rounds - 1
         parts["aggregates" if here else "aggregates received"] = received * model
         if here:
@@ -219,7 +220,9 @@ def scratch_parts(run: RunConfig, cluster: str | None, model_config: Mapping) ->
             else 0
         )
     if here and run.pooled is not None:
-        parts["pooled model"] = model
+        parts["pooled model" if not run.pooled_points else "pooled models"] = (
+            1 + len(run.pooled_points)
+        ) * model
     return {name: n for name, n in parts.items() if n}
 
 

@@ -52,6 +52,14 @@ class RunLayout:
     crossings: tuple[Crossing, ...] = ()
     push_to: frozenset[str] = frozenset()  # receivers whose files their makers push
     aggregate_item: str = "model"
+    # federation.participation: each round's sites (index round - 1); empty: every site, every round.
+    participants: tuple[tuple[str, ...], ...] = ()
+
+    def round_sites(self, round: int) -> tuple[str, ...]:
+        """This layout's sites that train in `round`."""
+        if not self.participants:
+            return self.sites
+        return tuple(s for s in self.sites if s in self.participants[round - 1])
 
     @property
     def aggregates_here(self) -> bool:
@@ -60,7 +68,7 @@ class RunLayout:
     def evaluated(self, round: int) -> tuple[str, ...]:
         """The models the workflow evaluates after `round` (as common.smk's round_models)."""
         if round == self.rounds or self.intermediate == "all":
-            return (*self.sites, *self.merged)
+            return (*self.round_sites(round), *self.merged)
         return self.merged if self.intermediate == "aggregate" else ()
 
 
@@ -98,6 +106,7 @@ def layout_from_config(path: str | Path, cluster: str | None = None) -> RunLayou
         crossings=tuple(crossing_items(run)),
         push_to=frozenset(c for c in run.remotes if transfer_mode(run, c) == "push"),
         aggregate_item=aggregate_item(run),
+        participants=run.participants,
     )
 
 
@@ -271,7 +280,7 @@ def collect(layout: RunLayout) -> dict:
         "sites": [
             asdict(site_status(layout.run_dir, r, s))
             for r in range(1, layout.rounds + 1)
-            for s in layout.sites
+            for s in layout.round_sites(r)
         ],
         "rounds": [round_stages(layout, r) for r in range(1, layout.rounds + 1)],
         # The report is written where the models meet.

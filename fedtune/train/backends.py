@@ -104,9 +104,42 @@ def trainable(model) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+def vocab_parameters(model) -> list[torch.nn.Parameter]:
+    """The input embeddings and the LM head: the parameters with a row per token id. A tied head is the
+    embeddings' own parameter, so it is listed once; a classifier has no output embeddings."""
+    module = getattr(model, "module", model)  # DDP's wrapper
+    found: dict[int, torch.nn.Parameter] = {}
+    for get in ("get_input_embeddings", "get_output_embeddings"):
+        layer = getattr(module, get, lambda: None)()
+        weight = getattr(layer, "weight", None)
+        if isinstance(weight, torch.nn.Parameter) and weight.requires_grad:
+            found.setdefault(id(weight), weight)
+    return list(found.values())
+
+
+def parameter_groups(model, options: TrainOptions) -> list[dict]:
+    """AdamW's parameter groups: with train.embedding_lr_factor other than 1, the embeddings and the
+    head in a group of their own whose `lr_factor` each step multiplies the scheduled lr by."""
+    params = trainable(model)
+    if options.embedding_lr_factor == 1:
+        return [{"params": params, "lr_factor": 1.0}]
+    vocab = {id(p) for p in vocab_parameters(model)}
+    groups = [
+        {"params": [p for p in params if id(p) not in vocab], "lr_factor": 1.0},
+        {"params": [p for p in params if id(p) in vocab], "lr_factor": options.embedding_lr_factor},
+    ]
+    return [group for group in groups if group["params"]]
+
+
+def set_lr(param_groups, lr: float) -> None:
+    """The step's lr into every group, times the group's factor (train.embedding_lr_factor)."""
+    for group in param_groups:
+        group["lr"] = lr * group.get("lr_factor", 1.0)
+
+
 def adamw(model, options: TrainOptions, device: torch.device) -> torch.optim.AdamW:
     return torch.optim.AdamW(
-        trainable(model),
+        parameter_groups(model, options),
         lr=options.lr,
         betas=options.betas,
         weight_decay=options.weight_decay,
@@ -177,8 +210,7 @@ class _TorchBackend:
         return weight / self.accumulation * (self.scaler.scale if self.scaler else 1.0)
 
     def step(self, lr: float) -> float | torch.Tensor:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer.param_groups, lr)
         params = [p for p in self.model.parameters() if p.grad is not None]
         if self.scaler:
             for p in params:
@@ -390,8 +422,14 @@ class DeepSpeedBackend:
         if "optimizer" not in self.config:
             # torch's AdamW, the optimizer of the FSDP backend: both backends then compute the same steps.
             optimizer = adamw(model, options, job.device)
+        # DeepSpeed's own optimizer (offload) builds its groups from model_parameters: the embedding/head
+        # group (train.embedding_lr_factor) goes there; torch's AdamW above has it already.
+        grouped = optimizer is None and options.embedding_lr_factor != 1
         self.engine, *_ = deepspeed.initialize(
-            model=model, optimizer=optimizer, model_parameters=trainable(model), config=self.config
+            model=model,
+            optimizer=optimizer,
+            model_parameters=parameter_groups(model, options) if grouped else trainable(model),
+            config=self.config,
         )
         self.proximal = Proximal(options.fedprox_mu, self._local_tensors) if options.fedprox_mu else None
 
@@ -417,8 +455,7 @@ class DeepSpeedBackend:
         return loss.detach().float()
 
     def step(self, lr: float) -> float:
-        for group in self.engine.basic_optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.engine.basic_optimizer.param_groups, lr)
         if self.proximal:
             self.proximal.apply()
         self.engine.step()

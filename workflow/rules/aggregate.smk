@@ -14,8 +14,9 @@ if aggregates_here() and not ADAPTERS:
 
     rule aggregate:
         input:
-            models=lambda wc: [merge_input_dir(wc.round, site) for site in SITES],
-            manifests=[manifest_path(site) for site in SITES],
+            # federation.participation: the round's participating sites only.
+            models=round_model_dirs,
+            manifests=round_manifests,
             start=lambda wc: init_model_dir(wc.round),
             server_state=server_state_in,
         output:
@@ -37,8 +38,8 @@ if aggregates_here() and not ADAPTERS:
             runtime=60,
         params:
             models=site_model_args,
-            manifests=[f"{site}={manifest_path(site)}" for site in SITES],
-            options=AGGREGATE.merge_json(),
+            manifests=round_manifest_args,
+            options=round_merge_json,
             # With tracking on, the merge's record goes to the run's tracker after it is written.
             track=lambda wc, output: (
                 f" && python -m fedtune.core.tracking aggregate --path {output.model}/aggregate.json"
@@ -61,8 +62,8 @@ if aggregates_here() and not ADAPTERS:
 
     rule aggregate_compare:
         input:
-            models=lambda wc: [merge_input_dir(wc.round, site) for site in SITES],
-            manifests=[manifest_path(site) for site in SITES],
+            models=round_model_dirs,
+            manifests=round_manifests,
             start=lambda wc: init_model_dir(wc.round),
         output:
             directory(compare_model_dir("{round}", "{method}")),
@@ -81,9 +82,9 @@ if aggregates_here() and not ADAPTERS:
             runtime=60,
         params:
             models=site_model_args,
-            manifests=[f"{site}={manifest_path(site)}" for site in SITES],
+            manifests=round_manifest_args,
             # The compared method with the same parameters, without a server optimizer.
-            options=lambda wc: AGGREGATE.compared_json(wc.method),
+            options=lambda wc: round_merge_json(wc, wc.method),
         shell:
             "python -m fedtune.aggregate --out {output:q} --options {params.options:q}"
             " --start {input.start:q}"

@@ -179,6 +179,37 @@ def pooled_model_dir():
     return run_path("pooled", "model")
 
 
+# The pooled model's lr sweep (federation.pooled_lr_factors): the pooled models beside pooled/model.
+POOLED_POINTS = {point.label: point for point in RUN.pooled_points}
+
+
+def pooled_point_dir(label, *parts):
+    return run_path("pooled", "sweep", label, *parts)
+
+
+def pooled_point_args():
+    """The report's --pooled-point of every pooled model: its lr and embedding/head lr factor."""
+    if not RUN.pooled:
+        return ""
+    points = [("pooled", RUN.pooled)] + [
+        (p.label, p.options) for p in POOLED_POINTS.values()
+    ]
+    return "--pooled-point " + " ".join(
+        f"{label}={options.lr!r},{options.embedding_lr_factor!r}"
+        for label, options in points
+    )
+
+
+# Partial participation (federation.participation): the sites that train in a round and whose models its
+# aggregate merges; the others have no model of that round.
+def round_sites(round):
+    return list(RUN.round_sites(int(round)))
+
+
+def trains_in(round, site):
+    return site in RUN.round_sites(int(round))
+
+
 def aggregate_model_dir(round):
     return run_path(f"round-{round}", "aggregate", "model")
 
@@ -265,6 +296,8 @@ def train_job_options(wildcards):
     baseline's (no site wildcard)."""
     if "label" in wildcards.keys():
         return SWEEP_POINTS[wildcards.label].options
+    if "point" in wildcards.keys():
+        return POOLED_POINTS[wildcards.point].options
     if "site" not in wildcards.keys():
         return RUN.pooled
     return RUN.sites[wildcards.site].train
@@ -351,7 +384,36 @@ def compare_model_dir(round, method):
 
 
 def site_model_args(wildcards):
-    return [f"{site}={merge_input_dir(wildcards.round, site)}" for site in SITES]
+    return [
+        f"{site}={merge_input_dir(wildcards.round, site)}"
+        for site in round_sites(wildcards.round)
+    ]
+
+
+def round_model_dirs(wildcards):
+    """What a round's merge reads of its participating sites: their models or updates."""
+    return [
+        merge_input_dir(wildcards.round, site) for site in round_sites(wildcards.round)
+    ]
+
+
+def round_manifests(wildcards):
+    return [manifest_path(site) for site in round_sites(wildcards.round)]
+
+
+def round_manifest_args(wildcards):
+    return [f"{site}={manifest_path(site)}" for site in round_sites(wildcards.round)]
+
+
+def round_merge_json(wildcards, method=None):
+    """The aggregate options of a round's merge: explicit weights of its participating sites only."""
+    options = RUN.aggregate
+    if RUN.participants and isinstance(options.weights, dict):
+        sites = round_sites(wildcards.round)
+        options = dataclasses.replace(
+            options, weights={site: options.weights[site] for site in sites}
+        )
+    return options.merge_json() if method is None else options.compared_json(method)
 
 
 # federation.exchange (exchange.smk): with a compressed dtype the sites send their updates, and the merge
@@ -407,7 +469,7 @@ def round_models(round):
     """The models evaluated after `round`: all of the last round's, and before it what
     evaluate.intermediate says."""
     if round == ROUNDS[-1] or RUN.evaluate.intermediate == "all":
-        return EVAL_MODELS
+        return [m for m in EVAL_MODELS if m not in SITES or trains_in(round, m)]
     return MERGED_MODELS if RUN.evaluate.intermediate == "aggregate" else []
 
 
@@ -448,6 +510,14 @@ def eval_sites(wildcards, output):
 
 def pooled_eval(site):
     return run_path("pooled", "eval", f"{site}.json")
+
+
+def pooled_point_evals():
+    return [
+        pooled_point_dir(label, "eval", f"{site}.json")
+        for label in POOLED_POINTS
+        for site in SITES
+    ]
 
 
 # Evaluation jobs: host memory from the model's size (fedtune.aggregate.adapter_size.evaluation_mem_mb:
@@ -723,10 +793,18 @@ def stage_outputs():
     outputs = [base_model_dir(), *(raw_data_dir(site) for site in raw_sites)]
     outputs += tokenized_outputs()
     if not aggregates_here():
-        outputs += [site_model_dir(r, site) for r in ROUNDS for site in LOCAL_SITES]
+        outputs += [
+            site_model_dir(r, site)
+            for r in ROUNDS
+            for site in LOCAL_SITES
+            if trains_in(r, site)
+        ]
         if COMPRESSED:
             outputs += [
-                site_update_dir(r, site) for r in ROUNDS for site in LOCAL_SITES
+                site_update_dir(r, site)
+                for r in ROUNDS
+                for site in LOCAL_SITES
+                if trains_in(r, site)
             ]
         # What the models' cluster sends back for the next round; with adapters, each local site's
         # start model that its training job merges from it.
@@ -741,9 +819,9 @@ def stage_outputs():
     else:
         # Other clusters' manifests and models arrive here (fetch_manifest, fetch_site_model).
         outputs += [manifest_path(site) for site in REMOTE_SITES]
-        outputs += [site_model_dir(r, site) for r in ROUNDS for site in SITES]
+        outputs += [site_model_dir(r, site) for r in ROUNDS for site in round_sites(r)]
         if COMPRESSED:
-            outputs += [site_update_dir(r, site) for r in ROUNDS for site in SITES]
+            outputs += [site_update_dir(r, site) for r in ROUNDS for site in round_sites(r)]
         for r in ROUNDS:
             outputs.append(aggregate_model_dir(r))
             if ADAPTERS:
@@ -751,6 +829,7 @@ def stage_outputs():
             outputs += [round_model_dir(r, model) for model in round_models(r)]
         if RUN.pooled:
             outputs.append(pooled_model_dir())
+            outputs += [pooled_point_dir(label, "model") for label in POOLED_POINTS]
         outputs += EVAL_RESULTS
         if DOWNSTREAM:
             outputs += [tasks_dir(), *TASK_RESULTS]
@@ -812,7 +891,9 @@ def slurm_jobs_per_round(cluster, round):
     meet the round's merges and evaluations, one job when the profile joins the group round-<r>. Rules
     marked local (the transfers) run in the controller and are no Slurm jobs."""
     trains = sum(
-        1 for site in SITES if cluster is None or site_cluster(site) == cluster
+        1
+        for site in round_sites(round)
+        if cluster is None or site_cluster(site) == cluster
     )
     if cluster is not None and cluster != AGGREGATE_ON:
         return trains  # with adapters, each training merges its start model first (train_merging)

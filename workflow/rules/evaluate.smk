@@ -13,6 +13,7 @@ EVAL_RESULTS = (
         for site in SITES
     ]
     + ([pooled_eval(site) for site in SITES] if RUN.pooled else [])
+    + pooled_point_evals()
 )
 
 # The text is built as the tokenize stage builds it: same template, same BOS choice.
@@ -94,6 +95,21 @@ if RUN.pooled:
             base=base_arg,
             # Beside the last round's models, whose tokens it has seen.
             round=RUN.rounds,
+
+    # Each pooled model of the lr sweep (federation.pooled_lr_factors), labelled as its folder.
+    use rule evaluate_pooled as evaluate_pooled_sweep with:
+        input:
+            model=lambda wc: pooled_point_dir(wc.point, "model"),
+            data=[raw_data_dir(site) for site in SITES],
+            base=adapter_base,
+        output:
+            [pooled_point_dir("{point}", "eval", f"{site}.json") for site in SITES],
+        log:
+            log_path("evaluate", "{point}"),
+        wildcard_constraints:
+            point=one_of(POOLED_POINTS),
+        params:
+            label=lambda wc: wc.point,
 
 
 # Downstream tasks (evaluate.tasks): lm-eval on the data the download stage put in the run folder.

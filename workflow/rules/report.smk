@@ -6,10 +6,12 @@ import shlex
 TRAINING_SUMMARIES = [
     f"{r}:{site}={site_model_dir(r, site)}/training.json"
     for r in ROUNDS
-    for site in SITES
+    for site in round_sites(r)
 ] + ([f"{ROUNDS[-1]}:pooled={pooled_model_dir()}/training.json"] if RUN.pooled else [])
 LOSS_CURVES = [
-    f"{r}:{site}={site_model_dir(r, site)}/loss.csv" for r in ROUNDS for site in SITES
+    f"{r}:{site}={site_model_dir(r, site)}/loss.csv"
+    for r in ROUNDS
+    for site in round_sites(r)
 ]
 # The main table and its companion: perplexity and bits per byte, or accuracy and macro-F1.
 REPORT_SECOND = "macro_f1" if CLASSIFICATION else "bits_per_byte"
@@ -70,7 +72,7 @@ rule report:
         # A file, not a param: the report shows every param of its rule beside each result.
         settings=run_path("report", "settings.json"),
         # training.json and loss.csv live inside these folders (directory outputs of train).
-        models=[site_model_dir(r, site) for r in ROUNDS for site in SITES]
+        models=[site_model_dir(r, site) for r in ROUNDS for site in round_sites(r)]
         + ([pooled_model_dir()] if RUN.pooled else []),
     output:
         **GAP_OUTPUTS,
@@ -144,9 +146,10 @@ rule report:
         training=TRAINING_SUMMARIES,
         losses=LOSS_CURVES,
         tasks=task_args(),
+        pooled=pooled_point_args(),
     shell:
         "python -m fedtune.report --out {params.out:q} --eval {input.evals:q}"
-        " --training {params.training:q} --loss {params.losses:q} {params.tasks}"
+        " --training {params.training:q} --loss {params.losses:q} {params.tasks} {params.pooled}"
         " --settings {input.settings:q} > {log:q} 2>&1"
 
 

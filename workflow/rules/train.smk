@@ -90,3 +90,16 @@ if RUN.pooled:
             site="pooled",
             checkpoints=run_path("pooled", "checkpoints"),
             round_args="",
+
+    # The pooled model's lr sweep (federation.pooled_lr_factors): the same training at other lrs.
+    use rule train_pooled as train_pooled_sweep with:
+        output:
+            model=directory(pooled_point_dir("{point}", "model")),
+        log:
+            log_path("train", "{point}"),
+        wildcard_constraints:
+            point=one_of(POOLED_POINTS),
+        params:
+            site="pooled",
+            checkpoints=lambda wc: pooled_point_dir(wc.point, "checkpoints"),
+            round_args="",
