@@ -214,6 +214,11 @@ def test_the_sample_is_deterministic_per_seed_and_differs_between_seeds():
         ({"participation": 0}, {}, "federation.participation"),
         ({"participation": 2, "site_optimizer": "keep"}, {}, "site_optimizer: keep"),
         ({"participation": 2}, {"adapter": {"r": 4}}, "not supported with train.adapter"),
+        (
+            {"participation": 2, "exchange": {"dtype": "int8", "error_feedback": True}},
+            {},
+            "error_feedback carries each site's residual",
+        ),
     ],
 )
 def test_impossible_participation_is_refused_by_name(federation, train, message):

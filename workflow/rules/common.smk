@@ -821,7 +821,9 @@ def stage_outputs():
         outputs += [manifest_path(site) for site in REMOTE_SITES]
         outputs += [site_model_dir(r, site) for r in ROUNDS for site in round_sites(r)]
         if COMPRESSED:
-            outputs += [site_update_dir(r, site) for r in ROUNDS for site in round_sites(r)]
+            outputs += [
+                site_update_dir(r, site) for r in ROUNDS for site in round_sites(r)
+            ]
         for r in ROUNDS:
             outputs.append(aggregate_model_dir(r))
             if ADAPTERS:

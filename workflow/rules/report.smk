@@ -167,7 +167,7 @@ rule report_cost:
     input:
         evals=EVAL_RESULTS,
         settings=run_path("report", "settings.json"),
-        models=[site_model_dir(r, site) for r in ROUNDS for site in SITES]
+        models=[site_model_dir(r, site) for r in ROUNDS for site in round_sites(r)]
         + ([pooled_model_dir()] if RUN.pooled else []),
     output:
         html=report(
