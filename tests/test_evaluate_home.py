@@ -42,8 +42,8 @@ def test_each_site_is_scored_at_home_and_only_the_scores_and_the_last_aggregate_
     assert scores == [
         ("eval/base/beta.json", "karo", "leo", 0),
         ("round-1/eval/aggregate/beta.json", "karo", "leo", 1),
-        ("round-2/eval/aggregate/beta.json", "karo", "leo", 2),
         ("round-2/eval/beta/beta.json", "karo", "leo", 2),
+        ("round-2/eval/aggregate/beta.json", "karo", "leo", 2),
     ]
     # Every score the report reads, wherever it is made: the matrix's cells (site models on their own text).
     assert "round-2/eval/alpha/beta.json" not in scoring.score_paths(run)

@@ -114,6 +114,8 @@ def test_leonardo_dry_run_of_the_llama2_example_ends_with_its_summary(llama2):
         "fetch_site_model": len(remote) * expect["rounds"],
         "fetch_base_score": len(remote),
         "fetch_score": 2 * len(remote) * expect["rounds"],
+        # Every round's aggregate into Karolina's inbox, the last one's too: Karolina scores it on cs's text.
+        "push": expect["rounds"],
         "tokenize_manifest": len(expect["here"]),
         "report": 1,
         "report_settings": 1,
@@ -175,10 +177,15 @@ def test_karolina_dry_run_counts_its_tokenize_groups_once_and_fetches_in_the_con
     for rule, n in login.items():
         assert f"{n} {rule}" in karolina["login node"], (rule, karolina)
     groups = 2 * shards // 8
+    # Before the rounds the base model's score on cs's text; each round its training and one job that
+    # scores the round's aggregate and cs's model on cs's text (group round-<r>).
     assert karolina["Slurm jobs"] == (
-        f"{groups + expect['rounds']} in all; before the rounds {groups} ({groups} group tokenize (8 tokenize))"
+        f"{groups + 1 + 2 * expect['rounds']} in all; before the rounds {groups + 1} ({groups} group tokenize "
+        "(8 tokenize), 1 evaluate_base)"
     ), karolina
-    assert karolina["Slurm jobs per round"] == "1, 1 (round 1: 1 train)", karolina
+    assert karolina["Slurm jobs per round"] == (
+        "2, 2 (round 1: 1 group round-1 (1 evaluate_round, 1 evaluate_round_own), 1 train)"
+    ), karolina
     assert karolina["GPU-hours requested by the trainings"].startswith(f"{expect['gpu_hours']:,.0f} ("), (
         karolina
     )
