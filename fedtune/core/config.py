@@ -1188,8 +1188,11 @@ def _check_cluster(
                     f"federation.remotes `{site.cluster}: {folder}` (its run folder, as rsync names it), "
                     f"or `{here}: {{path: ..., transfer: push}}` if {site.cluster} reaches {here} instead"
                 )
-    elif config["federation"]["rounds"] > 1 and aggregate_on not in remotes:
-        # Each round's aggregate, which the next round here starts from.
+    elif aggregate_on not in remotes and (
+        config["federation"]["rounds"] > 1 or config["evaluate"]["cross_site"] == NO_CROSS_SITE
+    ):
+        # Each round's aggregate, which the next round here starts from (and, with evaluate.cross_site
+        # none, which this cluster scores on its sites' text: the last round's too).
         mine = ", ".join(name for name, site in sites.items() if site.cluster == here)
         raise ConfigError(
             f"{source}: federation.aggregate_on: {aggregate_on} has no federation.remotes entry, but {here} "
