@@ -5,11 +5,12 @@ only the test split of another cluster's site; the report says where each site's
 from __future__ import annotations
 
 import copy
+import re
 from html import unescape
 
 import pytest
 
-from fedtune.core.config import ConfigError, DatasetOptions, build_run_config, data_lines
+from fedtune.core.config import ConfigError, DatasetOptions, build_run_config, data_lines, data_read_on
 
 from .test_report import write_evals
 from .workflow_harness import demo_config, dry_run, snakemake, write_config
@@ -67,23 +68,37 @@ def test_the_pooled_baseline_with_a_site_whose_text_stays_home_is_refused():
     assert build_run_config(config).pooled is not None
 
 
-def test_evaluating_on_another_cluster_a_site_whose_text_stays_home_is_refused():
-    """Today the aggregating cluster scores every model on every site's test text: a private site on
-    another cluster is refused, naming the site, the key and both ways out."""
+def test_cross_site_scores_that_read_a_private_sites_text_elsewhere_are_refused():
+    """evaluate.cross_site text_to_models reads every site's test text where the models meet: a private
+    site on another cluster is refused, naming the setting, the site, the key and both ways out. The
+    default with sites on several clusters (none) reads each site's text at home only, and is allowed."""
     with pytest.raises(
         ConfigError,
-        match=r"sites.beta.dataset.shareable: false, but site beta trains on karo and every model is "
-        r"evaluated on leo \(federation.aggregate_on\).*set federation.aggregate_on: karo, or set "
-        r"sites.beta.dataset.shareable: true .*evaluation where the data lives is planned",
+        match=r"evaluate.cross_site: text_to_models reads every site's test text where the models meet "
+        r"\(leo, federation.aggregate_on\), but site beta trains on karo and sites.beta.dataset.shareable "
+        r"is false; set evaluate.cross_site: none .*, or sites.beta.dataset.shareable: true if its text "
+        r"may be read on leo",
     ):
-        build_run_config(two_clusters(private=("beta",), aggregate_on="leo"))
-    with pytest.raises(
-        ConfigError, match=r"keep the sites whose text stays home on one cluster \(now karo, leo\)"
-    ):
-        build_run_config(two_clusters(private=("alpha", "beta"), aggregate_on="karo"))
-    run = build_run_config(two_clusters(private=("beta",), aggregate_on="karo"))
+        config = two_clusters(private=("beta",), aggregate_on="leo")
+        config["evaluate"] = {"cross_site": "text_to_models"}
+        build_run_config(config)
+    run = build_run_config(two_clusters(private=("alpha", "beta"), aggregate_on="karo"))
+    assert run.evaluate.cross_site == "none"
+    assert run.raw["evaluate"]["cross_site"] == "none"  # the decision is in the run's settings.json
+    assert run.data_read_on == {"alpha": ("leo",), "beta": ("karo",)}
+    assert data_lines(run.raw) == ["site alpha: data read only on leo", "site beta: data read only on karo"]
+    shared = two_clusters(private=("beta",), aggregate_on="karo")
+    shared["evaluate"] = {"cross_site": "text_to_models"}
+    run = build_run_config(shared)
     assert run.data_read_on == {"alpha": ("leo", "karo"), "beta": ("karo",)}
     assert data_lines(run.raw) == ["site alpha: data read on leo, karo", "site beta: data read only on karo"]
+    # One cluster: every model on every site's text, as before (nothing moves for it).
+    one = demo_config()
+    assert build_run_config(one).evaluate.cross_site == "text_to_models"
+    # A run's settings.json from before the setting: every site's text was read where the models met.
+    old = copy.deepcopy(run.raw)
+    del old["evaluate"]["cross_site"]
+    assert data_read_on(old) == run.data_read_on
 
 
 def test_a_tokenizer_built_from_a_private_sites_text_on_every_cluster_is_refused():
@@ -100,7 +115,9 @@ def test_a_tokenizer_built_from_a_private_sites_text_on_every_cluster_is_refused
 def test_the_report_says_where_each_sites_text_was_read(tmp_path):
     from fedtune.report.build import report
 
-    run = build_run_config(two_clusters(private=("beta",), aggregate_on="karo"))
+    config = two_clusters(private=("beta",), aggregate_on="karo")
+    config["evaluate"] = {"cross_site": "text_to_models"}
+    run = build_run_config(config)
     paths = report(tmp_path / "report", write_evals(tmp_path), settings=run.raw)
     page = unescape(paths["settings_html"].read_text())
     assert (
@@ -112,14 +129,57 @@ def test_the_report_says_where_each_sites_text_was_read(tmp_path):
 def test_the_aggregating_cluster_downloads_only_the_test_split_of_another_clusters_site(
     tmp_path, tiny_model_dir
 ):
+    """evaluate.cross_site text_to_models: the models' cluster reads the other cluster's test split."""
     config = two_clusters(private=("alpha",), aggregate_on="leo")
     config.update(cluster="leo", model={"source": "local", "path": str(tiny_model_dir)})
+    config["evaluate"] = {"cross_site": "text_to_models"}
     write_config(tmp_path, config)
     jobs = dry_run(tmp_path, "results/demo/eval/base/alpha.json")
     downloads = {job.wildcards["site"]: job.shell for job in jobs if job.name == "download_data"}
     assert set(downloads) == {"alpha", "beta"}
     assert "--splits" not in downloads["alpha"]
     assert "--splits test" in downloads["beta"]
+
+
+def test_by_default_no_cluster_reads_another_clusters_text_and_the_scores_cross(tmp_path, tiny_model_dir):
+    """Sites on two clusters (evaluate.cross_site none, the default): each cluster downloads its own site
+    only and scores on it the base model, every aggregate and the site's own model; karo marks each score
+    complete for leo, whose report waits for them (fetch_score), and whose evaluations read alpha only."""
+    plans = {}
+    for cluster in ("leo", "karo"):
+        workdir = tmp_path / cluster
+        workdir.mkdir()
+        config = two_clusters(private=("beta",), aggregate_on="leo", rounds=2)
+        config.update(cluster=cluster, model={"source": "local", "path": str(tiny_model_dir)})
+        config["evaluate"] = {"intermediate": "aggregate"}
+        write_config(workdir, config)
+        plans[cluster] = dry_run(workdir)
+    leo, karo = plans["leo"], plans["karo"]
+    assert {job.wildcards["site"] for job in leo if job.name == "download_data"} == {"alpha"}
+    assert {job.wildcards["site"] for job in karo if job.name == "download_data"} == {"beta"}
+    # (download_model's --corpora names every site's folder; it reads them with model.source init only.)
+    for job in leo:
+        assert job.name == "download_model" or "data/beta/raw" not in job.shell, (job.name, job.shell)
+    scored = {(job.name, str(job.wildcards.get("round")), job.wildcards.get("model")) for job in karo
+              if job.name.startswith("evaluate")}  # fmt: skip
+    assert scored == {("evaluate_base", "None", None), ("evaluate_round", "1", "aggregate"),
+                      ("evaluate_round", "2", "aggregate"), ("evaluate_round_own", "2", "beta")}  # fmt: skip
+    for job in karo:
+        if job.name.startswith("evaluate"):
+            assert '"site":"beta"' in job.shell and '"site":"alpha"' not in job.shell, job.shell
+    marked = {job.wildcards["item"] for job in karo if job.name == "mark_complete"}
+    scores = {"eval/base/beta.json", "round-1/eval/aggregate/beta.json", "round-2/eval/aggregate/beta.json",
+              "round-2/eval/beta/beta.json"}  # fmt: skip
+    assert scores <= marked and marked - scores == {"data/beta/manifest.json", "round-1/beta/model",
+                                                    "round-2/beta/model"}  # fmt: skip
+    # The last round's aggregate goes to karo too, to be scored there.
+    assert {job.wildcards["round"] for job in karo if job.name == "fetch_aggregate"} == {"1", "2"}
+    fetched = {re.search(r"--out \S*results/demo/(\S+)", job.shell).group(1) for job in leo
+               if job.name in ("fetch_score", "fetch_base_score")}  # fmt: skip
+    assert fetched == scores
+    assert {(str(job.wildcards.get("round")), job.wildcards.get("model")) for job in leo
+            if job.name.startswith("evaluate")} == {("None", None), ("1", "aggregate"), ("2", "aggregate"),
+                                                    ("2", "alpha")}  # fmt: skip
 
 
 def test_a_private_sites_text_is_not_downloaded_on_another_cluster(tmp_path, tiny_model_dir):

@@ -224,3 +224,70 @@ def test_a_remote_that_never_delivers_ends_in_the_timeout_error(tmp_path):
     assert not (run / "data/beta/manifest.json").exists()
     assert not (run / "round-1/beta/model").exists()
     assert not [p for p in run.rglob(".*tmp*")]
+
+
+# A string planted in the private site's text: no byte of it may reach the aggregating cluster.
+MARKER = "Zyxwvq-private-marker-7731"
+
+
+def plant_marker(folder: Path) -> dict[str, str]:
+    """beta's demo text with one document holding MARKER first in each split (the test split is scored on
+    its first documents)."""
+    folder.mkdir()
+    files = {}
+    for split in ("train", "test"):
+        lines = (ROOT / "data" / "demo" / "beta" / f"{split}.jsonl").read_text().splitlines(keepends=True)
+        document = f'{{"text": "Bollettino riservato {MARKER}: cielo sereno a {MARKER}, venti deboli."}}\n'
+        (folder / f"{split}.jsonl").write_text(document + "".join(lines))
+        files[split] = str(folder / f"{split}.jsonl")
+    return files
+
+
+def holding(folder: Path, text: str) -> list[Path]:
+    """Every file under `folder` whose bytes hold `text`."""
+    needle = text.encode()
+    return [p for p in folder.rglob("*") if p.is_file() and not p.is_symlink() and needle in p.read_bytes()]
+
+
+@pytest.mark.slow
+def test_a_private_sites_text_stays_on_its_cluster_and_only_scores_cross(tmp_path, ssh, tiny_model_dir):
+    """beta's text is private (shareable false, local files) and trains on karo; leo aggregates. karo
+    scores the base model, each aggregate and beta's model on beta's text and sends back the scores (leo
+    pulls them over SSH from karo's exchange folder): no byte of beta's text reaches leo's folder, caches
+    or logs, and the report's perplexity matrix is a one-cluster run's to the last digit."""
+    config = lean_config()
+    config["model"] = {"source": "local", "path": str(tiny_model_dir)}
+    # One round (its aggregate is the last, which crosses only to be scored at home); the dry runs in
+    # tests/test_data_stays.py check the rounds before it.
+    config["federation"] = {**config["federation"], "rounds": 1}
+    config["evaluate"] = {**config["evaluate"], "cross_site": "none"}
+    beta = config["sites"]["beta"]["dataset"]
+    beta.update(shareable=False, data_files=plant_marker(tmp_path / "beta-data"))
+    leonardo_run = tmp_path / "leo" / "results" / "demo"
+    karolina_run = tmp_path / "karo" / "results" / "demo"
+    leonardo, karolina = two_clusters(
+        tmp_path, config, {"karo": f"{ssh.host}:{karolina_run}", "leo": str(leonardo_run)}
+    )
+    processes = []
+    for workdir in (leonardo, karolina):
+        # Each cluster's own caches, inside its folder, so that the search below covers them too.
+        env = dict(ssh.env(), HF_HOME=str(workdir / "hf-home"), TMPDIR=str(workdir / "tmp"))
+        (workdir / "tmp").mkdir()
+        processes.append((start(workdir, env), workdir))
+    logs = {workdir.name: finish(process, workdir) for process, workdir in processes}
+    assert "fetch_score" in logs["leo"] and "evaluate_round_own" in logs["karo"]
+
+    assert not holding(leonardo, MARKER)
+    assert holding(karolina_run / "data" / "beta" / "raw", MARKER)  # (the search finds it where it is)
+    assert not (leonardo_run / "data" / "beta" / "raw").exists()
+    for score in ("eval/base/beta.json", "round-1/eval/aggregate/beta.json", "round-1/eval/beta/beta.json"):
+        assert (leonardo_run / score).read_bytes() == (karolina_run / score).read_bytes(), score
+
+    workdir = tmp_path / "one-cluster"
+    workdir.mkdir()
+    write_config(workdir, config)
+    snakemake(workdir, "results/demo/report/perplexity.csv")
+    expected = (workdir / "results/demo/report/perplexity.csv").read_text()
+    assert (leonardo_run / "report" / "perplexity.csv").read_text() == expected
+    assert "beta" in expected.splitlines()[0]
+    assert_confined(ssh, karolina_run)

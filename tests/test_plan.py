@@ -87,7 +87,9 @@ def figures(config: dict, cluster: str) -> dict:
     keep = train.get("keep_checkpoints", 2)  # the schema's default
     scratch = model  # the base
     scratch += rounds * (len(sites) if aggregates_here else len(here)) * model  # site models
-    scratch += (rounds if aggregates_here else rounds - 1) * model  # aggregates made / received
+    # Aggregates made, or received: with evaluate.cross_site none (the example's) the last round's too.
+    home = config["evaluate"].get("cross_site") == "none"
+    scratch += (rounds if aggregates_here or home else rounds - 1) * model
     server = config.get("aggregate", {}).get("server_optimizer", {}).get("name", "fedavgm")  # the default
     if aggregates_here and server != "sgd":
         scratch += rounds * 4 * params  # fedavgm's momentum, fp32; plain sgd keeps no state
@@ -105,10 +107,15 @@ def test_leonardo_dry_run_of_the_llama2_example_ends_with_its_summary(llama2):
     assert list(parts) == ["leonardo", "karolina"], result.stderr[-3000:]
     leonardo = parts["leonardo"]
     # The transfers, the manifest and the report run in the controller; the downloads are Slurm jobs on
-    # Leonardo (its login nodes stop a process after 10 minutes of CPU time).
+    # Leonardo (its login nodes stop a process after 10 minutes of CPU time). cs's scores come from
+    # Karolina (evaluate.cross_site none): the base model's, and the round's aggregate's and cs's own.
     login = {
         "fetch_manifest": len(remote),
         "fetch_site_model": len(remote) * expect["rounds"],
+        "fetch_base_score": len(remote),
+        "fetch_score": 2 * len(remote) * expect["rounds"],
+        # Every round's aggregate into Karolina's inbox, the last one's too: Karolina scores it on cs's text.
+        "push": expect["rounds"],
         "tokenize_manifest": len(expect["here"]),
         "report": 1,
         "report_settings": 1,
@@ -117,7 +124,8 @@ def test_leonardo_dry_run_of_the_llama2_example_ends_with_its_summary(llama2):
     assert leonardo["login node"].startswith(f"{sum(login.values())} jobs ("), leonardo
     for rule, n in login.items():
         assert f"{n} {rule}" in leonardo["login node"], (rule, leonardo)
-    before = 2 * shards * len(expect["here"]) + len(config["sites"]) + 1 + 1  # + downloads, evaluate_base
+    # + its own site's download only (not the Czech data set's), download_model, evaluate_base
+    before = 2 * shards * len(expect["here"]) + len(expect["here"]) + 1 + 1
     per_round = len(expect["here"]) + 1  # the trainings and one group job of the merge and evaluations
     assert leonardo["Slurm jobs"].startswith(
         f"{before + per_round * expect['rounds']} in all; before the rounds {before} ("
@@ -138,7 +146,10 @@ def test_leonardo_dry_run_of_the_llama2_example_ends_with_its_summary(llama2):
     assert (expect["gpu_hours"], other["gpu_hours"]) == (384, 768)
 
     # The job list: the login node's rules without a Slurm partition or time limit, the Slurm jobs with.
-    jobs = {job.name: job for job in planned_jobs(result.stdout)}
+    planned = planned_jobs(result.stdout)
+    jobs = {job.name: job for job in planned}
+    assert [job.wildcards["site"] for job in planned if job.name == "download_data"] == ["it"]
+    assert not [job for job in planned if "allenai/c4" in job.shell and job.name != "report_settings"]
     for rule in login:
         assert not {"slurm_partition", "runtime", "slurm_account"} & set(jobs[rule].resources), jobs[rule]
     assert jobs["train"].resources["slurm_partition"] == "boost_usr_prod", jobs["train"]
@@ -157,17 +168,25 @@ def test_karolina_dry_run_counts_its_tokenize_groups_once_and_fetches_in_the_con
     expect = figures(config, "karolina")
     karolina = summary(result.stderr)["karolina"]
     shards = config["tokenize"]["shards"]
-    items = 1 + expect["rounds"]  # its site's manifest and models, marked for Leonardo to fetch
-    login = {"mark_complete": items, "fetch_aggregate": expect["rounds"] - 1, "download_data": 1,
+    # Its site's manifest and models, marked for Leonardo to fetch, and the scores on cs's text: the base
+    # model's, and each round's aggregate's and cs's own (evaluate.intermediate all, the default).
+    items = 1 + expect["rounds"] + 1 + 2 * expect["rounds"]
+    # Every round's aggregate, the last one's too: Karolina scores it on cs's text.
+    login = {"mark_complete": items, "fetch_aggregate": expect["rounds"], "download_data": 1,
              "download_model": 1, "tokenize_manifest": 1}  # fmt: skip
     assert karolina["login node"].startswith(f"{sum(login.values())} jobs ("), karolina
     for rule, n in login.items():
         assert f"{n} {rule}" in karolina["login node"], (rule, karolina)
     groups = 2 * shards // 8
+    # Before the rounds the base model's score on cs's text; each round its training and one job that
+    # scores the round's aggregate and cs's model on cs's text (group round-<r>).
     assert karolina["Slurm jobs"] == (
-        f"{groups + expect['rounds']} in all; before the rounds {groups} ({groups} group tokenize (8 tokenize))"
+        f"{groups + 1 + 2 * expect['rounds']} in all; before the rounds {groups + 1} ({groups} group tokenize "
+        "(8 tokenize), 1 evaluate_base)"
     ), karolina
-    assert karolina["Slurm jobs per round"] == "1, 1 (round 1: 1 train)", karolina
+    assert karolina["Slurm jobs per round"] == (
+        "2, 2 (round 1: 1 group round-1 (1 evaluate_round, 1 evaluate_round_own), 1 train)"
+    ), karolina
     assert karolina["GPU-hours requested by the trainings"].startswith(f"{expect['gpu_hours']:,.0f} ("), (
         karolina
     )

@@ -110,8 +110,13 @@ def test_the_other_clusters_need_a_remote_for_the_aggregating_one_when_an_aggreg
     assert message.startswith("my.yaml: federation.aggregate_on: leonardo has no federation.remotes"), message
     assert "juwels (sites beta) fetches each round's aggregate" in message, message
     assert "`leonardo: user@host:/path/to/results/demo`" in message, message
-    # One round: nothing comes back to juwels; pushed into its inbox: it fetches nothing itself.
-    build_run_config(two_clusters("juwels", rounds=1), base_dir=ROOT)
+    # One round, scored where the models meet: nothing comes back to juwels; pushed into its inbox: it
+    # fetches nothing itself. Scored at home (evaluate.cross_site none, the default), the one aggregate
+    # comes back to juwels, to be scored on beta's text.
+    one_round = two_clusters("juwels", rounds=1)
+    assert "juwels (sites beta) fetches each round's aggregate" in refused(one_round)
+    one_round["evaluate"] = {"cross_site": "text_to_models"}
+    build_run_config(one_round, base_dir=ROOT)
     pushed = {"juwels": {"path": "me@juwels:/run", "transfer": "push"}}
     build_run_config(two_clusters("juwels", rounds=2, remotes=pushed), base_dir=ROOT)
     build_run_config(two_clusters("leonardo", remotes=pushed), base_dir=ROOT)

@@ -140,12 +140,14 @@ def test_status_names_a_missing_config(tmp_path):
     assert result.returncode == 2 and "nope.yaml: config file not found" in result.stderr
 
 
-def finished_cluster_tree(tmp_path, transfer: str):
+def finished_cluster_tree(tmp_path, transfer: str, cross_site: str = "text_to_models"):
     """The run folder of `karo` (site beta) in a 3-round federation whose models meet on `leo` (site
     alpha), as its controller leaves it when done: beta's models of every round and their COMPLETE
     markers (leo pulls), or push receipts (karo pushes), and the aggregates of rounds 1 and 2 received
-    (the last round's stays on leo). Returns the config file and the run folder."""
+    (the last round's stays on leo; with evaluate.cross_site none it comes too, to be scored, and karo's
+    scores on beta's text are marked as well). Returns the config file and the run folder."""
     config = demo_config(results=str(tmp_path / "results"), federation={"rounds": 3})
+    config["evaluate"] = {**config["evaluate"], "cross_site": cross_site}
     config["sites"]["alpha"]["cluster"] = "leo"
     config["sites"]["beta"]["cluster"] = "karo"
     if transfer == "pull":  # each cluster pulls what it needs from the other
@@ -165,11 +167,15 @@ def finished_cluster_tree(tmp_path, transfer: str):
         )
         (model / "loss.csv").write_text(loss_log(30))
     items = ["data/beta/manifest.json"] + [f"round-{r}/beta/model" for r in (1, 2, 3)]
+    if cross_site == "none":
+        items += ["eval/base/beta.json"] + [f"round-{r}/eval/aggregate/beta.json" for r in (1, 2, 3)]
+        items.append("round-3/eval/beta/beta.json")
     for item in items:
         record = run / (f"sent/leo/{item}.COMPLETE" if transfer == "push" else f"{item}.COMPLETE")
         record.parent.mkdir(parents=True, exist_ok=True)
         record.write_text("0" * 64 + "  training.json\n")
-    for r, when in ((1, 1_800_000_000), (2, 1_800_003_600)):
+    received = ((1, 1_800_000_000), (2, 1_800_003_600)) + ((3, 1_800_007_200),) * (cross_site == "none")
+    for r, when in received:
         (run / f"round-{r}" / "aggregate" / "model").mkdir(parents=True)
         log = run / "logs" / "fetch_aggregate" / f"{r}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -208,6 +214,24 @@ def test_status_on_the_cluster_where_the_models_do_not_meet(tmp_path, transfer):
         "(2 of the 2 it sends; the last round's stays there)"
     ) in lines
     assert lines[-1] == "report: written on leo"
+
+    # With evaluate.cross_site none, karo also sends its scores on beta's text and receives the last aggregate.
+    (tmp_path / "home").mkdir()
+    home_config, _ = finished_cluster_tree(tmp_path / "home", transfer, cross_site="none")
+    result = subprocess.run(
+        [sys.executable, "-m", "fedtune.report.status", "--configfile", str(home_config), "--profile",
+         str(profile)],
+        cwd=tmp_path / "home", capture_output=True, text=True, env={"PYTHONPATH": str(ROOT), "PATH": ""},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    sent = [line.split(":")[1] for line in lines if line.startswith("sent: ") and "score" in line]
+    assert sent == [" the score of base on beta's text (eval/base/beta.json)"] + [
+        f" the score of {model} on beta's text (round-{r}/eval/{model}/beta.json) of round {r}"
+        for r, model in ((1, "aggregate"), (2, "aggregate"), (3, "beta"), (3, "aggregate"))
+    ], lines
+    assert all(f": {verb} leo at " in line for line in lines if line.startswith("sent: "))
+    assert "received: round 3's aggregate from leo at 2027-01-15 10:00:00 UTC (3 of the 3 it sends)" in lines
 
     # Where the models meet, every site's model comes in and is evaluated.
     layout = layout_from_config(config_file, cluster="leo")

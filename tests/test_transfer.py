@@ -218,9 +218,9 @@ def test_with_adapters_only_adapters_cross_and_each_cluster_merges_the_aggregate
 
 @pytest.mark.parametrize("adapters", [False, True])
 def test_the_dry_run_prints_the_slurm_jobs_per_round_it_plans(tmp_path, adapters):
-    """With a Slurm profile: S trainings + 1 merge-and-evaluate job a round where the models meet, the
-    trainings alone elsewhere (with adapters too: the trainings merge their start model); the printed line
-    agrees."""
+    """With a Slurm profile: S trainings + 1 merge-and-evaluate job a round where the models meet; elsewhere
+    the trainings (with adapters too: the trainings merge their start model) + 1 job that scores the
+    round's models on the sites' text there (evaluate.cross_site none); the printed line agrees."""
     config = demo_config(cluster="leo")
     config["sites"]["alpha"]["cluster"] = "leo"
     config["sites"]["beta"]["cluster"] = "karo"
@@ -235,7 +235,7 @@ def test_the_dry_run_prints_the_slurm_jobs_per_round_it_plans(tmp_path, adapters
         config["aggregate"] = {"adapter_merge": "exact"}
     else:
         config["aggregate"] = {**config["aggregate"], "compare": ["ties"]}
-    expected = {"leo": [2, 2, 2], "karo": [1, 1, 1]}
+    expected = {"leo": [2, 2, 2], "karo": [2, 2, 2]}
     for cluster, jobs in expected.items():
         workdir = tmp_path / cluster
         workdir.mkdir()

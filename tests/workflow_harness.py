@@ -127,7 +127,8 @@ def job_counts(output: str) -> dict[str, int]:
 
 
 # Rules the workflow marks local (the transfers): a dry run with a Slurm profile lists them as `rule`.
-TRANSFER_RULES = ("fetch_site_model", "fetch_manifest", "fetch_aggregate", "mark_complete", "push")
+TRANSFER_RULES = ("fetch_site_model", "fetch_manifest", "fetch_aggregate", "fetch_score", "fetch_base_score",
+                  "mark_complete", "push")  # fmt: skip
 
 
 def slurm_jobs_per_round(output: str) -> dict[int, int]:

@@ -570,10 +570,13 @@ class EvaluateOptions(_Options):
     tasks: tuple[str, ...]
     task_limit: int | None
     num_fewshot: int | None
+    # Where each score is made (the workflow's choice, `resolve_cross_site`); no evaluation reads it.
+    cross_site: str | None = None
 
     # Read by the downstream tasks only: the perplexity jobs get the options without them, so that a
     # task added to the config does not rerun every perplexity evaluation (Snakemake reruns on params).
     DOWNSTREAM_KEYS = ("tasks", "task_limit", "num_fewshot")
+    WORKFLOW_KEYS = ("cross_site",)
 
     @classmethod
     def from_valid(cls, values: Mapping) -> EvaluateOptions:
@@ -581,7 +584,8 @@ class EvaluateOptions(_Options):
 
     def perplexity_json(self) -> str:
         """The JSON form without the downstream tasks' keys: what fedtune.evaluate.scores reads."""
-        values = {k: v for k, v in self.to_dict().items() if k not in self.DOWNSTREAM_KEYS}
+        skipped = (*self.DOWNSTREAM_KEYS, *self.WORKFLOW_KEYS)
+        values = {k: v for k, v in self.to_dict().items() if k not in skipped}
         return json.dumps(values, separators=(",", ":"))
 
 
@@ -742,10 +746,32 @@ def data_read_on(config: Mapping) -> dict[str, tuple[str, ...]]:
     clusters = sorted({site["cluster"] for site in sites.values()})
     aggregate_on = config["federation"]["aggregate_on"] or next(iter(sites.values()))["cluster"]
     tokenizer = clusters if config["model"]["source"] == "init" else []
+    # A settings.json of a run from before evaluate.cross_site read every site's text where the models met.
+    evaluators = (
+        [aggregate_on] if config["evaluate"].get("cross_site", TEXT_TO_MODELS) == TEXT_TO_MODELS else []
+    )
     return {
-        name: tuple(dict.fromkeys([site["cluster"], aggregate_on, *tokenizer]))
-        for name, site in sites.items()
+        name: tuple(dict.fromkeys([site["cluster"], *evaluators, *tokenizer])) for name, site in sites.items()
     }
+
+
+# evaluate.cross_site: how the cross-site scores (site A's model on site B's text) are made, by what moves.
+TEXT_TO_MODELS = "text_to_models"  # every site's test text is read where the models meet
+NO_CROSS_SITE = "none"  # each site's text is read on its own cluster only
+
+
+def resolve_cross_site(config: Mapping) -> str:
+    """evaluate.cross_site as set, else its default: text_to_models where every site trains on the cluster
+    where the models meet (nothing moves for it), none where sites train on several clusters (each site's
+    text then stays on its own cluster, and only scores cross)."""
+    chosen = config["evaluate"].get("cross_site")
+    if chosen is not None:
+        return chosen
+    sites = config["sites"]
+    aggregate_on = config["federation"]["aggregate_on"] or next(iter(sites.values()))["cluster"]
+    return (
+        TEXT_TO_MODELS if all(site["cluster"] == aggregate_on for site in sites.values()) else NO_CROSS_SITE
+    )
 
 
 def data_lines(config: Mapping) -> list[str]:
@@ -784,17 +810,11 @@ def _check_data_stays(config: Mapping, sites: Mapping[str, Site], source: str) -
                 f"a trained model (model.source hf, local or gguf), or set {key}: true"
             )
         aggregate_on = elsewhere[0]
-        clusters = sorted(set(private.values()))
-        fix = (
-            f"set federation.aggregate_on: {cluster}"
-            if len(clusters) == 1
-            else f"keep the sites whose text stays home on one cluster (now {', '.join(clusters)})"
-        )
         raise ConfigError(
-            f"{source}: {key}: false, but site {name} trains on {cluster} and every model is evaluated on "
-            f"{aggregate_on} (federation.aggregate_on), which reads every site's test text there; {fix}, or "
-            f"set {key}: true if its text may be read on {aggregate_on} (evaluation where the data lives is "
-            "planned: issue 38)"
+            f"{source}: evaluate.cross_site: {TEXT_TO_MODELS} reads every site's test text where the models "
+            f"meet ({aggregate_on}, federation.aggregate_on), but site {name} trains on {cluster} and {key} "
+            f"is false; set evaluate.cross_site: {NO_CROSS_SITE} (each site's text is then scored on its own "
+            f"cluster, and only the scores cross), or {key}: true if its text may be read on {aggregate_on}"
         )
 
 
@@ -1229,8 +1249,11 @@ def _check_cluster(
                     f"federation.remotes `{site.cluster}: {folder}` (its run folder, as rsync names it), "
                     f"or `{here}: {{path: ..., transfer: push}}` if {site.cluster} reaches {here} instead"
                 )
-    elif config["federation"]["rounds"] > 1 and aggregate_on not in remotes:
-        # Each round's aggregate, which the next round here starts from.
+    elif aggregate_on not in remotes and (
+        config["federation"]["rounds"] > 1 or config["evaluate"]["cross_site"] == NO_CROSS_SITE
+    ):
+        # Each round's aggregate, which the next round here starts from (and, with evaluate.cross_site
+        # none, which this cluster scores on its sites' text: the last round's too).
         mine = ", ".join(name for name, site in sites.items() if site.cluster == here)
         raise ConfigError(
             f"{source}: federation.aggregate_on: {aggregate_on} has no federation.remotes entry, but {here} "
@@ -1517,6 +1540,8 @@ def build_run_config(config: dict, *, source: str = "config", base_dir: Path | N
                     "trains with deepspeed (whose optimizer also holds the weights)"
                 )
     aggregate = _aggregate_options(config, model, sites, source)
+    # The default decided, so that the run's settings.json (and data_read_on) say it.
+    config["evaluate"]["cross_site"] = resolve_cross_site(config)
     evaluate = EvaluateOptions.from_mapping(config["evaluate"], source=source)
     aggregate_on = federation["aggregate_on"] or next(iter(sites.values())).cluster
     remotes = _remotes(federation)

@@ -1,12 +1,14 @@
 """What crosses between the clusters of a federation, who makes it and who receives it: each remote site's
 manifest and round models go to `federation.aggregate_on`, each round's aggregate (its adapter with
-train.adapter) to the other clusters for their next round; the last round's aggregate stays where it is
-made. The workflow's transfer rules (common.smk) and `fedtune.report.status` read the same list."""
+train.adapter) to the other clusters for their next round, and with evaluate.cross_site none the last
+round's too and each score made on another cluster (fedtune.core.scoring) back to the aggregating cluster.
+The workflow's transfer rules (common.smk) and `fedtune.report.status` read the same list."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fedtune.core import scoring
 from fedtune.core.config import RunConfig
 
 
@@ -63,9 +65,28 @@ def crossing_items(run: RunConfig) -> list[Crossing]:
                 f"round-{r}/aggregate/{aggregate_item(run)}", run.aggregate_on, receiver, r, "the aggregate"
             )
             for r in rounds
-            if r < run.rounds
+            # The last round's aggregate is scored on each site's text at home (evaluate.cross_site none).
+            if r < run.rounds or not scoring.cross_site(run)
         ]
-    return items
+    return items + score_crossings(run)
+
+
+def score_crossings(run: RunConfig) -> list[Crossing]:
+    """The scores made on another cluster than the one where the models meet: one JSON per (model, site),
+    back to the report."""
+    if run.cluster is None:
+        return []
+    return [
+        Crossing(
+            scoring.score_path(model, site, r),
+            scoring.scoring_cluster(run, site),
+            run.aggregate_on,
+            r,
+            f"the score of {model} on {site}'s text ({scoring.score_path(model, site, r)})",
+        )
+        for r, model, site in scoring.scores(run)
+        if scoring.scoring_cluster(run, site) != run.aggregate_on
+    ]
 
 
 def transfer_mode(run: RunConfig, cluster: str) -> str:

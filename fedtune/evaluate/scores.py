@@ -390,7 +390,9 @@ def _stride(text: str) -> int | None:
 OPTION_KEYS = tuple(
     key
     for key in EvaluateOptions.__dataclass_fields__
-    if key != "intermediate" and key not in EvaluateOptions.DOWNSTREAM_KEYS
+    if key != "intermediate"
+    and key not in EvaluateOptions.DOWNSTREAM_KEYS
+    and key not in EvaluateOptions.WORKFLOW_KEYS
 )
 _UNSET = object()
 

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from fedtune.core.config import RunConfig
+from fedtune.core.scoring import cross_site
 
 # Rules whose jobs are trainings: their nodes x GPUs x time limit are the run's GPU-hours.
 TRAIN_RULES = ("train", "train_pooled", "train_pooled_sweep", "train_sweep", "train_merging")
@@ -208,7 +209,9 @@ def scratch_parts(run: RunConfig, cluster: str | None, model_config: Mapping) ->
         kept = {s.name for s in (run.sites.values() if here else local)}
         # federation.participation: a site keeps a model of the rounds it trains in only.
         parts["site models"] = sum(len(kept & set(run.round_sites(r))) for r in range(1, rounds + 1)) * model
-        received = rounds * (1 + len(run.aggregate.compare)) if here else rounds - 1
+        # Elsewhere each round's aggregate but the last, which comes too where it is scored at home
+        # (evaluate.cross_site none).
+        received = rounds * (1 + len(run.aggregate.compare)) if here else rounds - cross_site(run)
         parts["aggregates" if here else "aggregates received"] = received * model
         if here:
             parts["server optimizer state"] = rounds * len(slots(run.aggregate.server_optimizer)) * params * 4

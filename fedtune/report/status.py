@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from fedtune.core import cli
+from fedtune.core import cli, scoring
 from fedtune.core.config import UserError
 from fedtune.core.crossings import Crossing, aggregate_item, crossing_items, transfer_mode
 from fedtune.train import checkpoint
@@ -60,6 +60,9 @@ class RunLayout:
         if not self.participants:
             return self.sites
         return tuple(s for s in self.sites if s in self.participants[round - 1])
+
+    # (round, path) of each round's scores, wherever made (fedtune.core.scoring); empty: `evaluated` x sites.
+    round_scores: tuple[tuple[int, str], ...] = ()
 
     @property
     def aggregates_here(self) -> bool:
@@ -107,6 +110,11 @@ def layout_from_config(path: str | Path, cluster: str | None = None) -> RunLayou
         push_to=frozenset(c for c in run.remotes if transfer_mode(run, c) == "push"),
         aggregate_item=aggregate_item(run),
         participants=run.participants,
+        round_scores=tuple(
+            (r, scoring.score_path(model, site, r))
+            for r, model, site in scoring.scores(run)
+            if r > 0 and model != scoring.POOLED
+        ),
     )
 
 
@@ -215,9 +223,15 @@ def round_stages(layout: RunLayout, round: int) -> dict:
     if not layout.aggregates_here:
         # Made and evaluated where the models meet; what comes here is in `received`.
         return {"round": round, "aggregate_on": layout.aggregate_on}
-    evals = [
-        run_dir / f"round-{round}" / "eval" / m / f"{s}.json" for m in layout.evaluated(round) for s in sites
-    ]
+    evals = (
+        [run_dir / path for r, path in layout.round_scores if r == round]
+        if layout.round_scores
+        else [
+            run_dir / f"round-{round}" / "eval" / m / f"{s}.json"
+            for m in layout.evaluated(round)
+            for s in sites
+        ]
+    )
     return {
         "round": round,
         "aggregate": (run_dir / f"round-{round}" / "aggregate" / "model" / "aggregate.json").is_file(),
@@ -264,7 +278,7 @@ def received(layout: RunLayout) -> dict | None:
             log = layout.run_dir / "logs" / "fetch_aggregate" / f"{r}.log"
             when = (log if log.is_file() else folder).stat().st_mtime
             return {"round": r, "path": str(folder), "from": layout.aggregate_on, "at": _utc(when),
-                    "of": len(rounds)}  # fmt: skip
+                    "of": len(rounds), "last_stays": max(rounds) < layout.rounds}  # fmt: skip
     return {"round": None, "from": layout.aggregate_on, "of": len(rounds)} if rounds else None
 
 
@@ -341,7 +355,8 @@ def format_status(status: dict) -> str:
         else:
             lines.append(
                 f"received: round {got['round']}'s aggregate from {got['from']} at {got['at']} "
-                f"({got['round']} of the {got['of']} it sends; the last round's stays there)"
+                f"({got['round']} of the {got['of']} it sends"
+                + ("; the last round's stays there)" if got["last_stays"] else ")")
             )
     if status["report"] is None:
         lines.append(f"report: written on {status['aggregate_on']}")

@@ -270,6 +270,12 @@ def adapter_base(wildcards):
         return []
     if "model" not in wildcards.keys():
         return [base_model_dir()]  # the pooled baseline
+    if MERGES_IN_TRAINING:
+        # Where the models do not meet: round r's start is train_merging's copy at a site here, on which
+        # the aggregate adapter (evaluate.cross_site none) is scored as well.
+        site = wildcards.model if wildcards.model in SITES else LOCAL_SITES[0]
+        round = int(wildcards.round)
+        return [base_model_dir() if round == 1 else site_start_dir(round, site)]
     return [init_model_dir(wildcards.round)] if wildcards.model in SITES else []
 
 
@@ -459,24 +465,39 @@ def residual_args(wildcards, input, output):
     return args
 
 
-# Evaluate jobs.
+# Evaluate jobs. Which model is scored on which site's text, and where: fedtune.core.scoring
+# (evaluate.cross_site).
+from fedtune.core import scoring
+
 # Merged models of a round: the aggregate and the methods aggregate.compare names.
-MERGED_MODELS = ["aggregate", *RUN.aggregate.compare]
+MERGED_MODELS = scoring.merged_models(RUN)
 EVAL_MODELS = [*SITES, *MERGED_MODELS]
 
 
 def round_models(round):
-    """The models evaluated after `round`: all of the last round's, and before it what
-    evaluate.intermediate says."""
-    if round == ROUNDS[-1] or RUN.evaluate.intermediate == "all":
-        return [m for m in EVAL_MODELS if m not in SITES or trains_in(round, m)]
-    return MERGED_MODELS if RUN.evaluate.intermediate == "aggregate" else []
+    """The models evaluated after `round` (scoring.round_models: evaluate.intermediate)."""
+    return scoring.round_models(RUN, int(round))
+
+
+def scored_here(site):
+    """Whether `site`'s test text is read here to score models on it."""
+    return HERE is None or scoring.scoring_cluster(RUN, site) == HERE
+
+
+def sites_scored_here(model):
+    """The sites on whose text `model` is scored here (each result one file of the job)."""
+    return [site for site in scoring.scored_sites(RUN, model) if scored_here(site)]
 
 
 def round_model_dir(round, model):
     """A model of round `round` by its name in the report: a site, aggregate or a compared method."""
     if model == "aggregate":
-        return aggregate_model_dir(round)
+        # On a cluster where the models do not meet, with adapters, only the aggregate adapter comes.
+        return (
+            aggregate_adapter_dir(round)
+            if MERGES_IN_TRAINING
+            else aggregate_model_dir(round)
+        )
     if model in SITES:
         return site_model_dir(round, model)
     return compare_model_dir(round, model)
@@ -488,7 +509,8 @@ def eval_outputs(*folder):
 
 
 def eval_sites(wildcards, output):
-    """--sites: each site's test data, its fields and template, and where its result goes."""
+    """--sites: each site's test data, its fields and template, and where its result goes (<site>.json:
+    each output names its site)."""
     return to_json(
         [
             {
@@ -503,7 +525,7 @@ def eval_sites(wildcards, output):
                     else {}
                 ),
             }
-            for site, out in zip(SITES, output)
+            for site, out in ((Path(out).stem, out) for out in output)
         ]
     )
 
@@ -676,7 +698,11 @@ def crossing_items():
 
 
 # The paths an item may have (a wildcard constraint), and the clusters this one pushes to.
-CROSSING_ITEM = r"data/[A-Za-z][A-Za-z0-9_]*/manifest\.json|round-\d+/[A-Za-z][A-Za-z0-9_]*/(model|adapter|update)"
+CROSSING_ITEM = (
+    r"data/[A-Za-z][A-Za-z0-9_]*/manifest\.json|round-\d+/[A-Za-z][A-Za-z0-9_]*/(model|adapter|update)"
+    # Scores made where a site's text is (evaluate.cross_site none).
+    r"|eval/base/[A-Za-z][A-Za-z0-9_]*\.json|round-\d+/eval/[A-Za-z][A-Za-z0-9_-]*/[A-Za-z][A-Za-z0-9_]*\.json"
+)
 PUSH_TO = sorted(
     {receiver for _, maker, receiver, *_ in crossing_items() if maker == HERE}
     & {cluster for cluster in RUN.remotes if transfer_mode(cluster) == "push"}
@@ -787,9 +813,10 @@ def stage_outputs():
     """
     if not aggregates_here() and not LOCAL_SITES:
         return []  # nothing of this run is made here
-    raw_sites = (
-        SITES if aggregates_here() or RUN.model.source == "init" else LOCAL_SITES
-    )
+    # The sites whose text is read here (config.data_read_on).
+    raw_sites = [
+        site for site in SITES if HERE is None or HERE in RUN.data_read_on[site]
+    ]
     outputs = [base_model_dir(), *(raw_data_dir(site) for site in raw_sites)]
     outputs += tokenized_outputs()
     if not aggregates_here():
@@ -806,11 +833,20 @@ def stage_outputs():
                 for site in LOCAL_SITES
                 if trains_in(r, site)
             ]
-        # What the models' cluster sends back for the next round; with adapters, each local site's
-        # start model that its training job merges from it.
+        # What the models' cluster sends back for the next round (and with evaluate.cross_site none the
+        # last round's, to score it here); with adapters, each local site's start model that its
+        # training job merges from it.
         outputs += [
             aggregate_adapter_dir(r) if ADAPTERS else aggregate_model_dir(r)
-            for r in ROUNDS[:-1]
+            for r in (ROUNDS if not scoring.cross_site(RUN) else ROUNDS[:-1])
+        ]
+        # The scores made here on this cluster's sites' text, which go back to the report.
+        outputs += [
+            run_path(path)
+            for path, (_, model, site) in zip(
+                scoring.score_paths(RUN), scoring.scores(RUN)
+            )
+            if scored_here(site)
         ]
         if MERGES_IN_TRAINING:
             outputs += [
@@ -898,7 +934,28 @@ def slurm_jobs_per_round(cluster, round):
         if cluster is None or site_cluster(site) == cluster
     )
     if cluster is not None and cluster != AGGREGATE_ON:
-        return trains  # with adapters, each training merges its start model first (train_merging)
+        # With adapters, each training merges its start model first (train_merging). With
+        # evaluate.cross_site none, the scores on its sites' text of the models of the round: one job
+        # when the profile joins the group round-<r>.
+        scored = [
+            model
+            for model in round_models(round)
+            if any(
+                scoring.scoring_cluster(RUN, s) == cluster
+                for s in scoring.scored_sites(RUN, model)
+            )
+            and (
+                model == "aggregate"
+                or model in SITES
+                and site_cluster(model) == cluster
+            )
+        ]
+        if not scored:
+            return trains
+        joined = workflow.group_settings.group_components.get(
+            "round-{round}", 1
+        ) >= len(scored)
+        return trains + (1 if joined else len(scored))
     parts = (
         (2 if ADAPTERS else 1) + len(RUN.aggregate.compare) + len(round_models(round))
     )
@@ -915,7 +972,12 @@ def slurm_jobs_lines():
         counts = [slurm_jobs_per_round(cluster, r) for r in ROUNDS]
         trains = sum(1 for s in SITES if cluster is None or site_cluster(s) == cluster)
         where = "" if cluster is None else f" on {cluster}"
-        rest = ", the rest merge-and-evaluate" if max(counts) > trains else ""
+        merges = cluster in (None, AGGREGATE_ON)
+        rest = (
+            f", the rest {'merge-and-evaluate' if merges else 'evaluate'}"
+            if max(counts) > trains
+            else ""
+        )
         lines.append(
             f"fedtune: Slurm jobs per round{where}: {', '.join(map(str, counts))} (rounds 1-{ROUNDS[-1]}: "
             f"{trains} training{'s' * (trains != 1)}{rest})"

@@ -71,6 +71,46 @@ if not aggregates_here():
             ),
 
 
+# evaluate.cross_site none: the scores made on another cluster, where a site's text is, one JSON per (model,
+# site), marked complete with its sha256 as models are. A round's scores are waited for once the round's
+# aggregate is made here (the other clusters score it), the base model's once it is here.
+import re
+
+SCORED_ELSEWHERE = [site for site in SITES if not scored_here(site)]
+if aggregates_here() and SCORED_ELSEWHERE:
+
+    use rule fetch_manifest as fetch_score with:
+        input:
+            after=lambda wc: aggregate_model_dir(wc.round),
+        output:
+            run_path("round-{round}", "eval", "{model}", "{site}.json"),
+        log:
+            log_path("fetch_score", "{round}-{model}-{site}"),
+        wildcard_constraints:
+            site=one_of(SCORED_ELSEWHERE),
+            model=one_of([re.escape(m) for m in EVAL_MODELS]),
+        localrule: True
+        params:
+            args=lambda wc, output: receive_args(
+                scoring.score_path(wc.model, wc.site, wc.round), output[0]
+            ),
+
+    use rule fetch_manifest as fetch_base_score with:
+        input:
+            after=base_model_dir(),
+        output:
+            run_path("eval", "base", "{site}.json"),
+        log:
+            log_path("fetch_score", "base-{site}"),
+        wildcard_constraints:
+            site=one_of(SCORED_ELSEWHERE),
+        localrule: True
+        params:
+            args=lambda wc, output: receive_args(
+                scoring.score_path("base", wc.site), output[0]
+            ),
+
+
 # A folder or file another cluster pulls: the sha256 list of its files, written once it is in place, and
 # the item with its list published under exchange/outbox (hard links), where the others read it.
 rule mark_complete:
