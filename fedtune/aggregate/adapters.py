@@ -45,10 +45,11 @@ from fedtune.aggregate.merge import (
     resolve_weights,
 )
 from fedtune.aggregate.model_compat import CONFIG_FILE, COPIED_FILES
+from fedtune.aggregate.options import MERGED_DTYPES, AggregateOptions, ServerOptimizerOptions
 from fedtune.core import cli
 from fedtune.core.atomic import atomic_dir, write_json
 from fedtune.core.checksums import sha256_file
-from fedtune.core.config import MERGED_DTYPES, AggregateOptions, ServerOptimizerOptions, torch_dtype
+from fedtune.core.config import torch_dtype
 from fedtune.core.models import record_checksums, verify_checksums, weight_files
 from fedtune.core.safetensors_stream import (
     ST_DTYPES,

@@ -31,18 +31,12 @@ import torch
 
 from fedtune.aggregate.methods import CHUNK, METHODS, MergeMethod, chunks, fedavg_rows, weighted_mean
 from fedtune.aggregate.model_compat import CONFIG_FILE, COPIED_FILES, compatibility_problems
+from fedtune.aggregate.options import AggregateOptions, ServerOptimizerOptions
 from fedtune.aggregate.server_optimizers import slots, step
 from fedtune.core import cli, token_counts
 from fedtune.core.atomic import atomic_dir, write_json
 from fedtune.core.checksums import SOURCE_RECORD, sha256_file
-from fedtune.core.config import (
-    AggregateOptions,
-    ConfigError,
-    ServerOptimizerOptions,
-    UserError,
-    check_weights,
-    torch_dtype,
-)
+from fedtune.core.config import ConfigError, UserError, check_weights, torch_dtype
 from fedtune.core.models import record_checksums, verify_checksums
 from fedtune.core.safetensors_stream import (
     ST_DTYPES,

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fedtune.core.config import ServerOptimizerOptions
+from fedtune.aggregate.options import ServerOptimizerOptions
 
 # step(options, delta, state, out) -> update; see `step` below.
 Step = Callable[[ServerOptimizerOptions, torch.Tensor, dict, dict], torch.Tensor]

@@ -38,11 +38,12 @@ from typing import TYPE_CHECKING
 from fedtune.core import adapters, cli, token_counts, tracking
 from fedtune.core.atomic import atomic_dir, write_json, write_text
 from fedtune.core.checksums import SOURCE_RECORD
-from fedtune.core.config import CAUSAL_LM, CLASSIFICATION, ConfigError, TrackingOptions, TrainOptions
+from fedtune.core.config import CAUSAL_LM, CLASSIFICATION, ConfigError, TrackingOptions
 from fedtune.core.models import load_model, load_tokenizer, save_model
 from fedtune.tokenize.blocks import BlockOrder, Blocks, manifest_shards, trained_tokens
 from fedtune.tokenize.shards import verify_shard
 from fedtune.train import checkpoint, distributed, loading
+from fedtune.train.options import TrainOptions
 from fedtune.train.schedule import learning_rate
 
 if TYPE_CHECKING:
