@@ -471,7 +471,8 @@ def server_factors(
     deltas = {key: value - start_whole[key] for key, value in whole.items()}
     momentum = {name: (b, a) for name, (b, a) in factors.items()}
     momentum.update({f"whole:{key}": (delta, None) for key, delta in deltas.items()})
-    if optimizer.name == "fedavgm" and state_in is not None:
+    # A low-rank optimizer's kept state is its momentum m (the registry's ServerOptimizerEntry.low_rank).
+    if optimizer.slots and state_in is not None:
         previous = _read_momentum(state_in, momentum)
         for name, (b, a) in list(momentum.items()):
             pb, pa = previous[name]
@@ -481,7 +482,7 @@ def server_factors(
                 momentum[name] = (torch.cat([optimizer.momentum * pb, b], dim=1), torch.cat([pa, a], dim=0))
     update = {name: (optimizer.lr * b, a) for name, (b, a) in momentum.items() if a is not None}
     stepped = {key: start_whole[key] + optimizer.lr * momentum[f"whole:{key}"][0] for key in whole}
-    return update, stepped, momentum if optimizer.name == "fedavgm" else None
+    return update, stepped, momentum if optimizer.slots else None
 
 
 def _read_momentum(state_in: Path, momentum: Mapping) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
@@ -703,7 +704,7 @@ def aggregate_adapters(
     train whole step from their values in `start`, the round's start model. Returns aggregate.json."""
     started = time.perf_counter()
     _check_arguments(mode, dtype, out_dir, merge_into, merged_out)
-    optimizer = server_optimizer or ServerOptimizerOptions.from_mapping({"name": "sgd", "lr": 1.0})
+    optimizer = server_optimizer or ServerOptimizerOptions.plain_step()
     problem = optimizer.adapter_problem(mode)
     if problem:
         raise AdapterAggregateError(problem)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from fedtune.aggregate.methods import CHUNK, METHODS, MergeMethod, chunks, fedavg_rows, weighted_mean
+from fedtune.aggregate.methods import CHUNK, MergeMethod, chunks, fedavg_rows, merge_method, weighted_mean
 from fedtune.aggregate.model_compat import CONFIG_FILE, COPIED_FILES, compatibility_problems
 from fedtune.aggregate.options import AggregateOptions, ServerOptimizerOptions
 from fedtune.aggregate.server_optimizers import slots, step
@@ -355,7 +355,7 @@ def aggregate(
     made."""
     started = time.perf_counter()
     options = options or AggregateOptions.from_mapping({})
-    method = METHODS[options.method]
+    method = merge_method(options.method)
     optimizer = options.server_optimizer
     if server_state_in is None and server_state_out is None and optimizer.plain_first_step:
         # A one-shot merge: fedavgm's first step (m = delta) at lr 1 is plain sgd, and no state is kept;
@@ -363,10 +363,10 @@ def aggregate(
         if not optimizer.plain or options.vocab_step != 1:
             _log(f"one merge with {optimizer.name} at lr 1 and no server state: the sites' mean")
         options = dataclasses.replace(
-            options, server_optimizer=ServerOptimizerOptions.from_mapping({"name": "sgd"}), vocab_step=1
+            options, server_optimizer=ServerOptimizerOptions.plain_step(), vocab_step=1
         )
     plain = (
-        method.mean
+        method.entry.mean
         and options.server_optimizer.plain
         and not (options.rows_by_counts and options.vocab_factor(len(models)) != 1)
     )
@@ -475,7 +475,7 @@ def _vocab_rows(
     record = {"mode": options.vocab_rows, "tensors": []}
     if options.vocab_rows == "weights":
         return {}, record
-    if options.method != "fedavg":
+    if not options.entry.mean:
         why = f"method {options.method} merges every tensor with the sites' weights"
     else:
         counts = {m.site: token_counts.read(m.path) for m in site_models}

@@ -37,6 +37,7 @@ import yaml
 # Re-exported: every stage imports these names from here.
 from fedtune.aggregate.options import (  # noqa: F401
     LOW_RANK_SERVER_OPTIMIZERS,
+    MERGE_METHODS,
     MERGED_DTYPES,
     AggregateOptions,
     ServerOptimizerOptions,
@@ -706,10 +707,11 @@ def _check_adapters(
             f"{source}: train.adapter: set for {', '.join(adapted)} but not for {', '.join(plain)}; "
             "every site trains an adapter or none does"
         )
-    if aggregate.method != "fedavg":
+    if not aggregate.entry.adapters:
+        takes = [name for name, entry in MERGE_METHODS.items() if entry.adapters]
         raise ConfigError(
             f"{source}: aggregate.method: {aggregate.method} merges whole task vectors; with "
-            "train.adapter use fedavg (aggregate.adapter_merge says how the adapters combine)"
+            f"train.adapter use {' or '.join(takes)} (aggregate.adapter_merge says how the adapters combine)"
         )
     problem = aggregate.server_optimizer.adapter_problem(aggregate.adapter_merge)
     if problem:
