@@ -120,15 +120,14 @@ def manifest_tokens(site: str, path: Path, *, error: type[UserError] = Aggregate
 
 
 def resolve_weights(
-    spec: str | Mapping[str, float] | Sequence[float],
+    spec: str | Mapping[str, float],
     sites: Sequence[str],
     tokens: Mapping[str, int | None],
     *,
     error: type[UserError] = AggregateError,
 ) -> tuple[str, dict[str, float]]:
     """(source, raw weight per site) from aggregate.weights: tokens (the sites' manifests), uniform, or
-    a mapping site -> number; the Python API of adapters also takes one number per site, in order.
-    Raises `error` (the calling stage's) naming what is wrong."""
+    a mapping site -> number. Raises `error` (the calling stage's) naming what is wrong."""
     if spec == "uniform":
         return "uniform", {site: 1.0 for site in sites}
     if spec == "tokens":
@@ -138,14 +137,6 @@ def resolve_weights(
         return "tokens", _positive({site: tokens[site] for site in sites}, "tokens", error)
     if isinstance(spec, str):
         raise error(f"weights: {spec!r} is neither tokens, uniform nor a mapping site -> number")
-    if not isinstance(spec, Mapping):
-        spec = list(spec)
-        if len(spec) != len(sites):
-            raise error(
-                f"weights: {len(spec)} weight(s) {spec} for {len(sites)} adapter(s) {list(sites)}: "
-                "give one per adapter"
-            )
-        spec = dict(zip(sites, spec, strict=True))
     bad = {s: v for s, v in spec.items() if not _finite_non_negative(v)}
     if bad:
         raise error(f"weights: {bad} are not finite non-negative numbers")
