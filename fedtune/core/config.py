@@ -650,8 +650,11 @@ def _sweep_points(config: Mapping, site: str, base: TrainOptions, source: str) -
             values = _device_options(base.to_dict(), value, where)
         else:
             values = {**base.to_dict(), axis: value}
-        validate_section(values, TrainOptions.SCHEMA, source=source, prefix=f"sweep.values[{i}]")
-        options = TrainOptions.from_valid(values)
+        section = {k: v for k, v in values.items() if k not in TrainOptions.RUN_KEYS}
+        validate_section(section, TrainOptions.SCHEMA, source=source, prefix=f"sweep.values[{i}]")
+        options = dataclasses.replace(
+            TrainOptions.from_valid(values), **train_run_keys(config, federated=False)
+        )
         options.check(f"{where} ({axis} {value!r}): ")
         label = sweep_label(axis, value)
         if label in points:
@@ -670,11 +673,30 @@ def site_train_options(config: Mapping, site: str, *, source: str = "config") ->
     return TrainOptions.from_mapping(merged, source=source, prefix=f"sites.{site}.train")
 
 
+def train_run_keys(config: Mapping, *, federated: bool) -> dict:
+    """What a train job reads of the run beyond its train section (TrainOptions.RUN_KEYS), from a
+    validated config: the model's dtype and pickle switch; for a round of the federation its rounds, its
+    learning-rate schedule and whether the aggregate reads token counts; one training of its own (the
+    pooled baseline, a sweep point) is one round that writes them, as before these were options."""
+    keys = {"dtype": config["model"]["dtype"], "allow_pickle": config["model"]["allow_pickle"]}
+    if not federated:
+        return {**keys, "rounds": 1, "lr_schedule": "continue", "token_counts": True}
+    federation = config["federation"]
+    return {
+        **keys,
+        "rounds": federation["rounds"],
+        "lr_schedule": federation["lr_schedule"],
+        # Nothing reads the counts under vocab_rows weights: the site's token histogram stays home.
+        "token_counts": config["aggregate"]["vocab_rows"] == "counts",
+    }
+
+
 def _pooled_options(config: Mapping, sites: Mapping[str, Site], source: str) -> TrainOptions:
     """The pooled baseline's training: the top-level train section over every site's data, with as many
     blocks as the whole federation trains (every site, every round), so that it sees the same tokens."""
     rounds = config["federation"]["rounds"]
     base = TrainOptions.from_mapping(config["train"], source=source, prefix="train")
+    base = dataclasses.replace(base, **train_run_keys(config, federated=False))
     if all(site.train.max_steps is not None for site in sites.values()):
         blocks = sum(rounds * site.train.max_steps * site.train.global_batch for site in sites.values())
         return dataclasses.replace(base, max_steps=-(-blocks // base.global_batch))
@@ -785,7 +807,9 @@ def build_run_config(config: dict, *, source: str = "config", base_dir: Path | N
             cluster=site["cluster"],
             dataset=dataset,
             prompt_template=site["prompt_template"],
-            train=site_train_options(config, name, source=source),
+            train=dataclasses.replace(
+                site_train_options(config, name, source=source), **train_run_keys(config, federated=True)
+            ),
             tokenize=tokenize.for_site(site["prompt_template"], dataset),
         )
     check_fits(

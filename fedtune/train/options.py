@@ -4,11 +4,40 @@ start-up) never loads torch; `python -m fedtune.train --options` turns its JSON 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from fedtune.core.options import PRECISION_DTYPES, ConfigError, _Options, check_global_batch
+from fedtune.core.options import (
+    DTYPES,
+    PRECISION_DTYPES,
+    ConfigError,
+    _Options,
+    check_global_batch,
+    parse_json,
+)
+
+LR_SCHEDULES = ("continue", "restart")
+
+
+def check_run_keys(values: Mapping, where: str) -> None:
+    """The run's keys of a train job's options (TrainOptions.RUN_KEYS), where the JSON form gives them;
+    build_run_config takes them from sections the schema has checked."""
+    expected = {
+        "dtype": (lambda v: v in DTYPES, f"one of {', '.join(DTYPES)}"),
+        "allow_pickle": (lambda v: isinstance(v, bool), "true or false"),
+        "rounds": (
+            lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+            "a whole number >= 1",
+        ),
+        "lr_schedule": (lambda v: v in LR_SCHEDULES, f"one of {', '.join(LR_SCHEDULES)}"),
+        "token_counts": (lambda v: isinstance(v, bool), "true or false"),
+    }
+    for key, value in values.items():
+        valid, what = expected[key]
+        if not valid(value):
+            raise ConfigError(f"{where}{key}: {value!r} is not {what}")
 
 
 @dataclass(frozen=True)
@@ -85,12 +114,37 @@ class TrainOptions(_Options):
     runtime: int
     launcher: str
     device: str
+    # What a train job reads of the run beyond its train section (RUN_KEYS: not keys of train.schema.yaml,
+    # so a config's train section cannot set them; build_run_config does, from the sections that own
+    # them). The defaults are one training of its own (the pooled baseline's and a sweep's).
+    dtype: str = "float32"  # model.dtype: what the model is exported in
+    allow_pickle: bool = False  # model.allow_pickle: .bin weights in --init are accepted
+    rounds: int = 1  # federation.rounds
+    lr_schedule: str = "continue"  # federation.lr_schedule
+    token_counts: bool = True  # token_counts.json written beside the model (aggregate.vocab_rows counts)
+
+    RUN_KEYS = ("dtype", "allow_pickle", "rounds", "lr_schedule", "token_counts")
 
     @classmethod
     def from_mapping(cls, data: Mapping, *, source: str = "--options", prefix: str = "") -> TrainOptions:
         options = cls.from_valid(cls._validated(data, source, prefix))
         options.check(f"{source}: {prefix + '.' if prefix else ''}")
         return options
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str = "--options") -> TrainOptions:
+        """The JSON form, with the run's keys (RUN_KEYS) beside the section's."""
+        data = parse_json(text, source)
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{source}: options: expected a mapping, got {data!r}")
+        run = {key: data[key] for key in cls.RUN_KEYS if key in data}
+        check_run_keys(run, f"{source}: ")
+        section = {key: value for key, value in data.items() if key not in cls.RUN_KEYS}
+        return dataclasses.replace(cls.from_mapping(section, source=source), **run)
+
+    def section(self) -> dict:
+        """The train section's keys only (what train.schema.yaml validates), as plain values."""
+        return {key: value for key, value in self.to_dict().items() if key not in self.RUN_KEYS}
 
     @classmethod
     def from_valid(cls, values: Mapping) -> TrainOptions:
