@@ -163,7 +163,7 @@ def train_command(args, options: dict, model_dir: Path, manifest: Path, run_dir:
     return [
         str(LAUNCH), "--procs-per-node", str(args.procs), "--",
         "python", "-m", "fedtune.train", "--site", SITE, "--init", str(model_dir),
-        "--manifest", str(manifest), "--options", json.dumps(options), "--dtype", "float32",
+        "--manifest", str(manifest), "--options", json.dumps({**options, "dtype": "float32"}),
         "--checkpoints", str(run_dir / "checkpoints"), "--out", str(run_dir / "model"),
     ]  # fmt: skip
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,22 @@ TINY_ARCHITECTURE = {
 }
 
 
+# Longer than any build of a DeepSpeed op here (cpu_adam: 1-7 minutes on 2 busy cores).
+STALE_BUILD_LOCK_S = 30 * 60
+
+
+def drop_stale_build_locks(extensions: Path) -> None:
+    """Remove the build lock of an op whose build was killed (a test's time limit, a stopped session):
+    torch's FileBaton has no staleness check, so every later build or load of that op waits on it for
+    ever (seen 2026-11-28: DeepSpeed's offload tests hung before their first step)."""
+    for lock in extensions.glob("*/lock"):
+        try:
+            if time.time() - lock.stat().st_mtime > STALE_BUILD_LOCK_S:
+                lock.unlink()
+        except FileNotFoundError:
+            pass
+
+
 def pytest_configure(config):
     # Isolate every cache the stack writes to, but keep compiled DeepSpeed ops between sessions:
     # compiling them costs minutes, and they depend only on the installed versions.
@@ -33,6 +50,7 @@ def pytest_configure(config):
     session_tmp.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("HF_HOME", str(session_tmp / "hf-home"))
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "fedtune-torch-extensions"))
+    drop_stale_build_locks(Path(os.environ["TORCH_EXTENSIONS_DIR"]))
     os.environ.setdefault("TMPDIR", str(session_tmp / "tmp"))
     Path(os.environ["TMPDIR"]).mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -35,7 +35,18 @@ from fedtune.aggregate.adapters import (  # noqa: E402
     aggregate_adapters,
     main,
 )
-from fedtune.core.config import AggregateOptions  # noqa: E402
+from fedtune.core.config import AggregateOptions, ConfigError  # noqa: E402
+
+
+def opts(sites=None, weights=None, **section) -> AggregateOptions:
+    """The aggregate section aggregate_adapters reads: plain FedAvg (sgd at lr 1) and uniform weights
+    unless given; `weights` as a list is one per adapter in `sites`' order (a list of folders names each
+    site by its folder)."""
+    if isinstance(weights, list):
+        weights = {str(site): weight for site, weight in zip(sites, weights, strict=True)}
+    section = {"server_optimizer": {"name": "sgd"}, "weights": weights or "uniform", **section}
+    return AggregateOptions.from_mapping(section)
+
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
@@ -176,7 +187,7 @@ def test_exact_follows_rank_and_alpha_patterns_and_pads_the_smaller_sums(llama_b
             **patterned,
         ),
     ]
-    record = aggregate_adapters(sites, tmp_path / "out", weights=[1, 1])
+    record = aggregate_adapters(sites, tmp_path / "out", opts(sites, [1, 1]))
     # q_proj sums to rank 8, v_proj to 6: v_proj is padded with zeros up to the adapter's r.
     assert (record["output"]["r"], record["output"]["padded_modules"]) == (8, 2)
     base = base_state(LlamaForCausalLM, llama_base)
@@ -196,7 +207,9 @@ def test_average_factors_is_mean_b_times_mean_a_and_not_the_mean_of_updates(llam
     lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
     sites = [train_adapter(LlamaForCausalLM, llama_base, tmp_path / s, k, **lora) for k, s in enumerate("ab")]
     weights = [1.0, 3.0]
-    out = aggregate_adapters(sites, tmp_path / "avg", mode="average_factors", weights=weights)["output"]
+    out = aggregate_adapters(sites, tmp_path / "avg", opts(sites, weights, adapter_merge="average_factors"))[
+        "output"
+    ]
     config = json.loads((tmp_path / "avg" / ADAPTER_CONFIG).read_text())
     assert (config["r"], config["lora_alpha"], out["r"]) == (4, 8, 4)
 
@@ -232,7 +245,7 @@ def test_modules_to_save_are_averaged_in_the_adapter_and_replace_the_base_head(t
     weights = [1.0, 4.0]
     for mode in ("exact", "average_factors"):
         out = tmp_path / mode
-        aggregate_adapters(sites, out, mode=mode, weights=weights, merge_into=base)
+        aggregate_adapters(sites, out, opts(sites, weights, adapter_merge=mode), merge_into=base)
         heads = [load_file(s / ADAPTER_WEIGHTS)["base_model.model.score.weight"] for s in sites]
         mean = 0.2 * heads[0] + 0.8 * heads[1]
         assert torch.allclose(
@@ -273,9 +286,8 @@ def test_gpt2_fan_in_fan_out_layers_merge_transposed(tmp_path):
         ),
     ]
     # A small shard size makes the merged model a sharded one, with an index, as large models are.
-    record = aggregate_adapters(
-        sites, tmp_path / "out", weights=[2, 1], merge_into=base, max_shard_size=40_000
-    )
+    options = opts(sites, [2, 1], max_shard_size="40000B")
+    record = aggregate_adapters(sites, tmp_path / "out", options, merge_into=base)
     assert record["merged"]["adapted_tensors"] == 4 and len(record["merged"]["files"]) > 1
     assert (tmp_path / "out" / "merged" / "model.safetensors.index.json").is_file()
     want = expected_mean(sites, [2, 1])
@@ -308,7 +320,7 @@ def two_ranks(llama_base, tmp_path_factory) -> tuple[Path, Path]:
 
 def test_average_factors_refuses_unequal_ranks_naming_folders_and_ranks(two_ranks, tmp_path):
     with pytest.raises(AdapterAggregateError) as error:
-        aggregate_adapters(two_ranks, tmp_path / "out", mode="average_factors")
+        aggregate_adapters(two_ranks, tmp_path / "out", opts(adapter_merge="average_factors"))
     message = str(error.value)
     assert (
         "r=4" in message
@@ -326,17 +338,18 @@ def test_mismatched_target_modules_are_refused(llama_base, two_ranks, tmp_path):
     )
     for mode in ("exact", "average_factors"):
         with pytest.raises(AdapterAggregateError, match="target modules differ.*v_proj"):
-            aggregate_adapters([two_ranks[0], other], tmp_path / "out", mode=mode)
+            aggregate_adapters([two_ranks[0], other], tmp_path / "out", opts(adapter_merge=mode))
     assert not (tmp_path / "out").exists()
 
 
 def test_weights_must_match_the_adapters(two_ranks, tmp_path):
-    with pytest.raises(AdapterAggregateError, match=r"weights: 3 weight\(s\).*2 adapter\(s\)"):
-        aggregate_adapters(two_ranks, tmp_path / "out", weights=[1, 2, 3])
-    with pytest.raises(AdapterAggregateError, match="finite non-negative"):
-        aggregate_adapters(two_ranks, tmp_path / "out", weights=[1, -2])
+    three = {**opts(two_ranks, [1, 2]).weights, "elsewhere": 3}
+    with pytest.raises(AdapterAggregateError, match=r"must name every site once; unknown: \['elsewhere'\]"):
+        aggregate_adapters(two_ranks, tmp_path / "out", opts(weights=three))
+    with pytest.raises(ConfigError, match=r"aggregate.weights.*: -2 is less than the minimum of 0"):
+        opts(two_ranks, [1, -2])
     with pytest.raises(AdapterAggregateError, match="sum to zero"):
-        aggregate_adapters(two_ranks, tmp_path / "out", weights=[0, 0])
+        aggregate_adapters(two_ranks, tmp_path / "out", opts(two_ranks, [0, 0]))
 
 
 def test_missing_files_and_cli_exit_code(two_ranks, tmp_path, capsys):
@@ -364,12 +377,12 @@ def test_missing_files_and_cli_exit_code(two_ranks, tmp_path, capsys):
     )
     assert "folder not found" in capsys.readouterr().err
     with pytest.raises(AdapterAggregateError, match="--merge-into .*model folder not found"):
-        aggregate_adapters(two_ranks, tmp_path / "out", merge_into=tmp_path / "nowhere")
+        aggregate_adapters(two_ranks, tmp_path / "out", opts(), merge_into=tmp_path / "nowhere")
     (broken / ADAPTER_WEIGHTS).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
     with pytest.raises(AdapterAggregateError, match=f"{broken / ADAPTER_WEIGHTS}: not a safetensors file"):
-        aggregate_adapters([two_ranks[0], broken], tmp_path / "out")
+        aggregate_adapters([two_ranks[0], broken], tmp_path / "out", opts())
     with pytest.raises(AdapterAggregateError, match="same adapter folder"):
-        aggregate_adapters([two_ranks[0], two_ranks[0]], tmp_path / "out")
+        aggregate_adapters([two_ranks[0], two_ranks[0]], tmp_path / "out", opts())
     assert not (tmp_path / "out").exists()
 
 
@@ -385,7 +398,7 @@ def test_config_that_contradicts_the_weights_and_dora_are_refused(two_ranks, tmp
         config = json.loads((site / ADAPTER_CONFIG).read_text())
         (site / ADAPTER_CONFIG).write_text(json.dumps({**config, **change}))
         with pytest.raises(AdapterAggregateError, match=pattern):
-            aggregate_adapters([site, two_ranks[1]], tmp_path / "out")
+            aggregate_adapters([site, two_ranks[1]], tmp_path / "out", opts())
 
 
 def test_adapters_that_do_not_fit_the_base_are_refused_before_writing(two_ranks, tmp_path):
@@ -396,7 +409,7 @@ def test_adapters_that_do_not_fit_the_base_are_refused_before_writing(two_ranks,
     with pytest.raises(
         AdapterAggregateError, match=r"(?s)do not fit the base model.*q_proj.weight: \[32, 32\] in the base"
     ):
-        aggregate_adapters(two_ranks, tmp_path / "out", merge_into=wider)
+        aggregate_adapters(two_ranks, tmp_path / "out", opts(), merge_into=wider)
     assert not (tmp_path / "out").exists()
 
 
@@ -445,9 +458,8 @@ def test_transfer_bytes_counts_what_tiny_peft_adapters_hold(two_ranks, llama_bas
 
 
 def test_output_dtype_and_record(two_ranks, tmp_path):
-    record = aggregate_adapters(
-        {"north": two_ranks[0], "south": two_ranks[1]}, tmp_path / "out", weights=[3, 1], dtype="bfloat16"
-    )
+    sites = {"north": two_ranks[0], "south": two_ranks[1]}
+    record = aggregate_adapters(sites, tmp_path / "out", opts(sites, [3, 1], dtype="bfloat16"))
     tensors = load_file(tmp_path / "out" / ADAPTER_WEIGHTS)
     assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
     assert tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].shape == (12, 64)
@@ -597,13 +609,13 @@ def test_adapter_server_state_of_another_optimizer_or_adaptive_optimizers_are_re
     )
     fedavgm = json.dumps({"adapter_merge": "exact", "server_optimizer": {"name": "fedavgm"}})
     with pytest.raises(AdapterAggregateError, match="written by server optimizer 'sgd', not 'fedavgm'"):
-        aggregate_adapters(two_ranks, tmp_path / "a2", server_state_in=tmp_path / "s1",
-                           server_optimizer=AggregateOptions.from_json(fedavgm).server_optimizer)  # fmt: skip
-    adam = AggregateOptions.from_json(json.dumps({"server_optimizer": {"name": "fedadam"}})).server_optimizer
+        aggregate_adapters(two_ranks, tmp_path / "a2", AggregateOptions.from_json(fedavgm),
+                           server_state_in=tmp_path / "s1")  # fmt: skip
+    adam = opts(server_optimizer={"name": "fedadam"})
     with pytest.raises(
         AdapterAggregateError, match="fedadam keeps per-coordinate state that is not low-rank"
     ):
-        aggregate_adapters(two_ranks, tmp_path / "a3", server_optimizer=adam)
+        aggregate_adapters(two_ranks, tmp_path / "a3", adam)
     assert not (tmp_path / "a2").exists() and not (tmp_path / "a3").exists()
 
 
@@ -615,7 +627,7 @@ def test_fedavgm_steps_the_tensors_adapters_train_whole_from_the_start_model(tmp
     base = save_base(LlamaForSequenceClassification(config), tmp_path / "base")
     start = load_file(base / "model.safetensors")["score.weight"].float()
     lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "task_type": "SEQ_CLS"}
-    server = AggregateOptions.from_json(json.dumps({"server_optimizer": {"name": "fedavgm", "lr": 1.5}}))
+    server = {"name": "fedavgm", "lr": 1.5}
     momentum, state_in = None, None
     for round_ in (1, 2):
         sites = [
@@ -626,13 +638,12 @@ def test_fedavgm_steps_the_tensors_adapters_train_whole_from_the_start_model(tmp
         ]
         if round_ == 1:
             with pytest.raises(AdapterAggregateError, match="--start is needed"):
-                aggregate_adapters(sites, tmp_path / "refused", server_optimizer=server.server_optimizer,
+                aggregate_adapters(sites, tmp_path / "refused", opts(server_optimizer=server),
                                    server_state_out=tmp_path / "refused-state")  # fmt: skip
             assert not (tmp_path / "refused").exists() and not (tmp_path / "refused-state").exists()
         out, state = tmp_path / f"out{round_}", tmp_path / f"state{round_}"
-        aggregate_adapters(sites, out, weights=[1.0, 4.0], merge_into=base, start=base,
-                           server_optimizer=server.server_optimizer, server_state_in=state_in,
-                           server_state_out=state)  # fmt: skip
+        aggregate_adapters(sites, out, opts(sites, [1.0, 4.0], server_optimizer=server), merge_into=base,
+                           start=base, server_state_in=state_in, server_state_out=state)  # fmt: skip
         state_in = state
         heads = [load_file(s / ADAPTER_WEIGHTS)["base_model.model.score.weight"] for s in sites]
         delta = 0.2 * heads[0] + 0.8 * heads[1] - start

@@ -1,4 +1,5 @@
-"""The package's shape: fedtune.core.config is a leaf every stage may import, and no import circle exists among
+"""The package's shape: fedtune.core.options is a leaf that every options module builds on, each stage's
+options module imports only it and never torch, and no import circle exists among
 fedtune's modules (counting the imports inside functions too, which a circle would otherwise hide in)."""
 
 from __future__ import annotations
@@ -65,13 +66,44 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_config_imports_nothing_from_fedtune():
-    assert import_graph()["fedtune.core.config"] == set()
-    loaded = subprocess.run(
-        [sys.executable, "-c", "import sys, fedtune.core.config; print(sorted(m for m in sys.modules if m.split('.')[0] == 'fedtune'))"],
-        capture_output=True, text=True, check=True, cwd=PACKAGE.parent,
-    ).stdout  # fmt: skip
-    assert loaded.strip() == "['fedtune', 'fedtune.core', 'fedtune.core.config']"
+def options_modules() -> list[str]:
+    """The stages' options modules (fedtune/<stage>/options.py), which core.config composes."""
+    return sorted(m for m in package_modules() if m.endswith(".options") and m != "fedtune.core.options")
+
+
+def loaded_modules(*modules: str) -> list[str]:
+    """The modules a fresh interpreter holds after importing `modules`."""
+    code = f"import sys; import {', '.join(modules)}; print('\\n'.join(sorted(sys.modules)))"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=PACKAGE.parent
+    )
+    return result.stdout.split()
+
+
+def test_options_machinery_imports_nothing_from_fedtune():
+    assert import_graph()["fedtune.core.options"] == set()
+
+
+def test_options_modules_import_only_core_options_and_never_torch():
+    graph = import_graph()
+    stages = options_modules()
+    assert {"fedtune.tokenize.options", "fedtune.train.options", "fedtune.aggregate.options"} <= set(stages)
+    for module in stages:
+        assert graph[module] == {"fedtune.core.options"}, (module, graph[module])
+    # core.config composes them, and holds nothing else of fedtune.
+    assert graph["fedtune.core.config"] == {"fedtune.core.options", *stages} - {"fedtune.download.options"}
+    loaded = loaded_modules("fedtune.core.config", *stages)
+    assert "torch" not in loaded and "transformers" not in loaded
+    fedtune = [m for m in loaded if m.split(".")[0] == "fedtune"]
+    packages = {m.rsplit(".", 1)[0] for m in stages}
+    assert set(fedtune) == {
+        "fedtune",
+        "fedtune.core",
+        "fedtune.core.config",
+        "fedtune.core.options",
+        *stages,
+        *packages,
+    }
 
 
 def test_no_import_circle_among_fedtune_modules():
@@ -141,6 +173,8 @@ def backward_imports(graph: dict[str, set[str]], order: list[str]) -> list[str]:
     for module, targets in sorted(graph.items()):
         for target in sorted(targets):
             source, dest = module.split(".")[1], target.split(".")[1]
+            if module == "fedtune.core.config" and target.endswith(".options"):
+                continue  # the run config composes the stages' options (torch-free, tested above)
             if rank[dest] > rank[source]:
                 found.append(f"{short(module)} imports {short(target)} ({source} comes before {dest})")
     return found
@@ -159,6 +193,11 @@ def test_the_stage_order_check_sees_a_backward_import():
     graph = {"fedtune.download.fetch": {"fedtune.evaluate.downstream"}, "fedtune.evaluate.downstream": set()}
     assert backward_imports(graph, stage_order()) == [
         "download.fetch imports evaluate.downstream (download comes before evaluate)"
+    ]
+    # core.config may compose the stages' options modules, and nothing else of theirs.
+    graph = {"fedtune.core.config": {"fedtune.train.options", "fedtune.train.loop"}}
+    assert backward_imports(graph, stage_order()) == [
+        "core.config imports train.loop (core comes before train)"
     ]
 
 

@@ -266,7 +266,8 @@ def test_options_objects_have_exactly_the_schema_keys():
         DatasetOptions: definitions["dataset"],
     }
     for cls, section in sections.items():
-        fields = {f.name for f in dataclasses.fields(cls)}
+        # TrainOptions also carries what a job reads of the run (RUN_KEYS), which no section sets.
+        fields = {f.name for f in dataclasses.fields(cls)} - set(getattr(cls, "RUN_KEYS", ()))
         assert fields == set(section["properties"]), cls.__name__
     # The keys without a default are exactly the ones the object holds as None when a section leaves
     # them out.
@@ -388,3 +389,24 @@ def test_remotes_and_the_wait_become_objects():
     assert run.remotes == {"leonardo": Remote("me@leo:/run"), "karolina": Remote("me@karo:/run", "push")}
     config["federation"]["wait"] = 45
     assert build_run_config(config, base_dir=ROOT).wait_s == 45
+
+
+def test_each_train_job_gets_the_runs_keys_from_the_sections_that_own_them():
+    """model.dtype and allow_pickle, federation.rounds and lr_schedule, and whether the aggregate reads
+    token counts reach a site's training in its TrainOptions (they were flags the rule built); the
+    pooled baseline and a sweep point are one training of their own."""
+    from fedtune.core.config import build_run_config
+    from tests.workflow_harness import demo_config
+
+    config = demo_config()
+    config["model"]["dtype"] = "bfloat16"
+    config["federation"].update(rounds=3, lr_schedule="restart", pooled_baseline=True)
+    config["aggregate"] = {"vocab_rows": "weights"}
+    config["sweep"] = {"axis": "lr", "values": [0.01]}
+    run = build_run_config(config)
+    keys = ("dtype", "allow_pickle", "rounds", "lr_schedule", "token_counts")
+    for site in run.sites.values():
+        assert [getattr(site.train, k) for k in keys] == ["bfloat16", False, 3, "restart", False]
+    for single in (run.pooled, run.sweep[0].options):
+        assert [getattr(single, k) for k in keys] == ["bfloat16", False, 1, "continue", True]
+    assert run.sweep[0].options.lr == 0.01

@@ -52,14 +52,14 @@ def chained_rounds(tiny_model_dir, site_manifest, tmp_path_factory):
     root = tmp_path_factory.mktemp("rounds")
     options = REFERENCE_OPTIONS | {"max_steps": STEPS}
     first, second = root / "round-1", root / "round-2"
-    common = ["--rounds", str(ROUNDS)]
+    options = options | {"rounds": ROUNDS}
     run_training(
         tiny_model_dir, site_manifest, first, options,
-        extra=[*common, "--round", "1", "--optimizer-out", str(first / "optimizer")],
+        extra=["--round", "1", "--optimizer-out", str(first / "optimizer")],
     )  # fmt: skip
     run_training(
         first / "model", site_manifest, second, options,
-        extra=[*common, "--round", "2", "--optimizer-in", str(first / "optimizer")],
+        extra=["--round", "2", "--optimizer-in", str(first / "optimizer")],
     )  # fmt: skip
     return first, second
 
@@ -87,10 +87,10 @@ def test_a_round_with_a_fresh_optimizer_differs_from_the_long_run(
     """site_optimizer reset (the default): same data and rates as the long run, new Adam moments, so
     round 2 trains differently; its rates still continue the schedule."""
     first, _ = chained_rounds
-    options = REFERENCE_OPTIONS | {"max_steps": STEPS}
+    options = REFERENCE_OPTIONS | {"max_steps": STEPS, "rounds": 2}
     # Tracked to TensorBoard on the way: the curves carry the federation's step numbers.
     tracked = json.dumps({"backend": "tensorboard", "dir": str(tmp_path / "tracking")})
-    extra = ["--rounds", "2", "--round", "2", "--tracking", tracked, "--run-name", "demo"]
+    extra = ["--round", "2", "--tracking", tracked, "--run-name", "demo"]
     run_training(first / "model", site_manifest, tmp_path, options, extra=extra)
     assert lr_column(tmp_path / "model") == lr_column(reference_run / "model")[STEPS:]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -156,10 +156,12 @@ def test_training_writes_the_token_counts_of_the_blocks_it_trained_on(reference_
     assert len(record.counts) == weights(model)["model.embed_tokens.weight"].shape[0]
 
 
-@pytest.mark.parametrize(("flag", "writes"), [([], True), (["--no-token-counts"], False)])
-def test_the_train_cli_writes_token_counts_unless_told_not_to(flag, writes):
-    from fedtune.train.loop import TrainJob, parse_args
+@pytest.mark.parametrize(("options", "writes"), [({}, True), ({"token_counts": False}, False)])
+def test_the_train_cli_writes_token_counts_unless_its_options_say_not_to(options, writes):
+    from fedtune.train.loop import parse_args
 
-    args = ["--site", "a", "--init", "m", "--manifest", "x.json", "--options", "{}", "--checkpoints", "c"]
-    job = TrainJob.from_args(parse_args([*args, "--out", "o", *flag]))
-    assert job.token_counts is writes
+    args = ["--site", "a", "--init", "m", "--manifest", "x.json", "--checkpoints", "c", "--out", "o"]
+    parsed = parse_args([*args, "--options", json.dumps(options)])
+    assert TrainOptions.from_json(parsed.options).token_counts is writes
+    with pytest.raises(SystemExit):  # the flag is gone: the setting is in the options
+        parse_args([*args, "--options", "{}", "--no-token-counts"])

@@ -29,7 +29,8 @@ def test_each_round_tells_train_where_it_is_and_the_pooled_model_gets_the_federa
         (job.wildcards.get("round"), job.wildcards.get("site")): job for job in jobs if job.name == "train"
     }
     assert len(trains) == 6
-    assert "--round 2 --rounds 3 --lr-schedule restart" in trains[("2", "beta")].shell
+    assert "--round 2 " in trains[("2", "beta")].shell and "--rounds" not in trains[("2", "beta")].shell
+    assert '"rounds":3,"lr_schedule":"restart"' in trains[("2", "beta")].shell
     assert "round-1/aggregate/model" in trains[("2", "beta")].shell.split("--init ")[1].split()[0]
     assert "--optimizer" not in trains[("2", "beta")].shell
     (pooled,) = [job for job in jobs if job.name == "train_pooled"]
@@ -38,6 +39,8 @@ def test_each_round_tells_train_where_it_is_and_the_pooled_model_gets_the_federa
     # 2 sites x 3 rounds x their steps, all of the same global batch.
     assert f'"max_steps":{2 * 3 * steps}' in pooled.shell
     assert "--round" not in pooled.shell and "model/base" in pooled.shell.split("--init ")[1].split()[0]
+    # One training of its own: one round, its own schedule, whatever the federation's.
+    assert '"rounds":1,"lr_schedule":"continue"' in pooled.shell
     evaluated = Counter(job.name for job in jobs if job.name.startswith("evaluate"))
     # One job per model, every site's test split in it: rounds 1 and 2 the aggregate; round 3 its 3 models.
     assert evaluated == {"evaluate_round": 2 + 3, "evaluate_pooled": 1, "evaluate_base": 1}
@@ -59,7 +62,7 @@ def test_token_counts_stay_home_unless_the_merge_reads_them(tmp_path, rows, flag
     would otherwise cross to the aggregating cluster with the model)."""
     jobs = federation(tmp_path, {"rounds": 2}, aggregate={"vocab_rows": rows})
     trains = [job.shell for job in jobs if job.name == "train"]
-    assert len(trains) == 4 and all(("--no-token-counts" in shell) == flag for shell in trains)
+    assert len(trains) == 4 and all(('"token_counts":false' in shell) == flag for shell in trains)
 
 
 @pytest.mark.parametrize(

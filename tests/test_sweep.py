@@ -39,7 +39,7 @@ def demo_with_sweep(sweep: dict, **train) -> dict:
 
 
 def points(config: dict) -> dict[str, dict]:
-    return {point.label: point.options.to_dict() for point in build_run_config(config).sweep}
+    return {point.label: point.options.section() for point in build_run_config(config).sweep}
 
 
 # ---------------------------------------------------------------------------------------------------

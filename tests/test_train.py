@@ -166,12 +166,33 @@ def test_train_options_round_trip_through_their_json_form():
     )
     again = TrainOptions.from_json(options.to_json())
     assert again == options and again.betas == (0.8, 0.9)
-    # Every key of the schema is a field, and nothing else is: the two cannot drift apart.
-    assert set(options.to_dict()) == set(
-        yaml.safe_load((ROOT / "fedtune/schemas/train.schema.yaml").read_text())["properties"]
-    )
+    # Every key of the schema is a field, and nothing else is but the run's keys: the two cannot drift apart.
+    section = set(yaml.safe_load((ROOT / "fedtune/schemas/train.schema.yaml").read_text())["properties"])
+    assert set(options.section()) == section == set(options.to_dict()) - set(TrainOptions.RUN_KEYS)
     with pytest.raises(ConfigError, match="--options: not valid JSON"):
         TrainOptions.from_json("{nope")
+
+
+def test_the_run_keys_travel_in_the_json_form_checked_and_not_in_a_config_section():
+    """dtype, allow_pickle, rounds, lr_schedule and token_counts reach the train CLI inside --options
+    (they were flags), checked there; a config's train section cannot set them (the schema's keys)."""
+    run = {
+        "dtype": "bfloat16",
+        "allow_pickle": True,
+        "rounds": 3,
+        "lr_schedule": "restart",
+        "token_counts": False,
+    }
+    options = TrainOptions.from_json(json.dumps({"max_steps": 4, **run}))
+    assert {key: getattr(options, key) for key in TrainOptions.RUN_KEYS} == run
+    assert TrainOptions.from_json(options.to_json()) == options
+    assert TrainOptions.from_json("{}").rounds == 1 and TrainOptions.from_json("{}").token_counts
+    with pytest.raises(ConfigError, match="--options: rounds: 0 is not a whole number >= 1"):
+        TrainOptions.from_json('{"rounds": 0}')
+    with pytest.raises(ConfigError, match="--options: dtype: 'int8' is not one of float32"):
+        TrainOptions.from_json('{"dtype": "int8"}')
+    with pytest.raises(ConfigError, match="train: Additional properties are not allowed .'rounds' was"):
+        TrainOptions.from_mapping({"rounds": 3}, source="config", prefix="train")
 
 
 def test_launch_rejects_an_unknown_launcher():

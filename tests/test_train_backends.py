@@ -122,7 +122,7 @@ def test_deepspeed_zero3_matches_fsdp(deepspeed3_run, reference_run):
 def test_other_modes_train(tiny_model_dir, site_manifest, tmp_path, options, dtype):
     from safetensors import safe_open
 
-    run_training(tiny_model_dir, site_manifest, tmp_path, options, extra=["--dtype", dtype])
+    run_training(tiny_model_dir, site_manifest, tmp_path, {**options, "dtype": dtype})
     model = tmp_path / "model"
     assert_loss_falls(model)
     summary = json.loads((model / "training.json").read_text())

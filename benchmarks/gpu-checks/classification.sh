@@ -22,9 +22,9 @@ run() {  # name, options-json, extra args
   done
 }
 B='"micro_batch":16,"global_batch":16,"max_steps":60,"lr":0.003,"warmup_steps":3,"log_every":20,"checkpoint_every":0,"device":"cuda"'
-run fsdp_bf16 "{$B,\"precision\":\"bf16\"}" --dtype bfloat16
+run fsdp_bf16 "{$B,\"precision\":\"bf16\",\"dtype\":\"bfloat16\"}"
 run ddp_fp32 "{$B,\"sharding\":\"none\"}"
-run ds2_fp16 "{$B,\"backend\":\"deepspeed\",\"zero_stage\":2,\"precision\":\"fp16\"}" --dtype float16
+run ds2_fp16 "{$B,\"backend\":\"deepspeed\",\"zero_stage\":2,\"precision\":\"fp16\",\"dtype\":\"float16\"}"
 python3 -m fedtune.evaluate --model $W/model --data $W/raw --task sequence-classification --max-length 32 --device cuda --out /tmp/w/base.json 2>&1 | grep accuracy
 python3 - <<'PY'
 import json

@@ -45,10 +45,11 @@ from fedtune.aggregate.merge import (
     resolve_weights,
 )
 from fedtune.aggregate.model_compat import CONFIG_FILE, COPIED_FILES
+from fedtune.aggregate.options import AggregateOptions, ServerOptimizerOptions
 from fedtune.core import cli
 from fedtune.core.atomic import atomic_dir, write_json
 from fedtune.core.checksums import sha256_file
-from fedtune.core.config import MERGED_DTYPES, AggregateOptions, ServerOptimizerOptions, torch_dtype
+from fedtune.core.config import torch_dtype
 from fedtune.core.models import record_checksums, verify_checksums, weight_files
 from fedtune.core.safetensors_stream import (
     ST_DTYPES,
@@ -64,11 +65,9 @@ from fedtune.core.safetensors_stream import (
     read_weights,
 )
 
-MODES = ("exact", "average_factors")
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 RECORD = "aggregate.json"
-OUTPUT_DTYPES = MERGED_DTYPES
 # peft's saved keys: base_model.model.<module path>.lora_A.weight; no adapter name in the file.
 PREFIX = "base_model.model."
 LORA_A = ".lora_A.weight"
@@ -470,7 +469,8 @@ def server_factors(
     deltas = {key: value - start_whole[key] for key, value in whole.items()}
     momentum = {name: (b, a) for name, (b, a) in factors.items()}
     momentum.update({f"whole:{key}": (delta, None) for key, delta in deltas.items()})
-    if optimizer.name == "fedavgm" and state_in is not None:
+    # A low-rank optimizer's kept state is its momentum m (the registry's ServerOptimizerEntry.low_rank).
+    if optimizer.slots and state_in is not None:
         previous = _read_momentum(state_in, momentum)
         for name, (b, a) in list(momentum.items()):
             pb, pa = previous[name]
@@ -480,7 +480,7 @@ def server_factors(
                 momentum[name] = (torch.cat([optimizer.momentum * pb, b], dim=1), torch.cat([pa, a], dim=0))
     update = {name: (optimizer.lr * b, a) for name, (b, a) in momentum.items() if a is not None}
     stepped = {key: start_whole[key] + optimizer.lr * momentum[f"whole:{key}"][0] for key in whole}
-    return update, stepped, momentum if optimizer.name == "fedavgm" else None
+    return update, stepped, momentum if optimizer.slots else None
 
 
 def _read_momentum(state_in: Path, momentum: Mapping) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
@@ -680,29 +680,27 @@ def write_merged(
 def aggregate_adapters(
     adapters: Sequence[str | Path] | Mapping[str, str | Path],
     out_dir: str | Path,
+    options: AggregateOptions,
     *,
-    mode: str = "exact",
-    weights: str | Mapping[str, float] | Sequence[float] = "uniform",
     manifests: Mapping[str, str | Path] | None = None,
-    dtype: str = "auto",
     merge_into: str | Path | None = None,
     merged_out: str | Path | None = None,
-    max_shard_size: str | int = "5GB",
-    server_optimizer: ServerOptimizerOptions | None = None,
     server_state_in: str | Path | None = None,
     server_state_out: str | Path | None = None,
     start: str | Path | None = None,
 ) -> dict:
-    """Aggregate PEFT LoRA folders (a list, or site -> folder) into the adapter folder `out_dir`; with
+    """Aggregate PEFT LoRA folders (a list, each site named by its folder, or site -> folder) into the
+    adapter folder `out_dir` as `options` (the aggregate section) say: adapter_merge (the mode),
+    weights (tokens from `manifests`, uniform, or site -> number; normalised here), the server
+    optimizer, dtype (of the adapter's tensors; auto: as the first site's) and max_shard_size. With
     `merge_into` (a base model folder) also into a full model at `merged_out` (default out_dir/merged).
-    `weights`: as aggregate.weights (tokens, from `manifests`; uniform; site -> number) or one number
-    per adapter; normalised here. A `server_optimizer` other than plain FedAvg (sgd or fedavgm, exact
-    mode) turns the merged update into the round's step (`server_factors`), its momentum read from
-    `server_state_in` (none in the first round) and written to `server_state_out`; tensors the sites
-    train whole step from their values in `start`, the round's start model. Returns aggregate.json."""
+    A server optimizer other than plain FedAvg (sgd or fedavgm, exact mode) turns the merged update into
+    the round's step (`server_factors`), its momentum read from `server_state_in` (none in the first
+    round) and written to `server_state_out`; tensors the sites train whole step from their values in
+    `start`, the round's start model. Returns aggregate.json."""
     started = time.perf_counter()
-    _check_arguments(mode, dtype, out_dir, merge_into, merged_out)
-    optimizer = server_optimizer or ServerOptimizerOptions.from_mapping({"name": "sgd", "lr": 1.0})
+    mode, dtype, optimizer = options.adapter_merge, options.dtype, options.server_optimizer
+    _check_arguments(out_dir, merge_into, merged_out)
     problem = optimizer.adapter_problem(mode)
     if problem:
         raise AdapterAggregateError(problem)
@@ -711,9 +709,9 @@ def aggregate_adapters(
         read_state_record(state_path, optimizer, AdapterAggregateError)
     pairs = _site_folders(adapters)
     check_same_base(dict(pairs), start if start is not None else merge_into)
-    shard_limit = parse_size(max_shard_size)
+    shard_limit = parse_size(options.max_shard_size)
     loaded = [read_adapter(site, path) for site, path in pairs]
-    source, raw = _weights(weights, [a.site for a in loaded], manifests)
+    source, raw = _weights(options.weights, [a.site for a in loaded], manifests)
     weighting = {"source": source, "raw": raw, "normalised": normalised(raw)}
     warnings = check_adapters(loaded, mode)
     ref = loaded[0]
@@ -797,11 +795,8 @@ def _verified_digests(adapter: Adapter) -> dict[str, str]:
     return digests
 
 
-def _check_arguments(mode: str, dtype: str, out_dir, merge_into, merged_out) -> None:
-    if mode not in MODES:
-        raise AdapterAggregateError(f"mode: {mode!r} is not one of {', '.join(MODES)}")
-    if dtype not in OUTPUT_DTYPES:
-        raise AdapterAggregateError(f"--dtype: {dtype!r} is not one of {', '.join(OUTPUT_DTYPES)}")
+def _check_arguments(out_dir, merge_into, merged_out) -> None:
+    """What the paths need of each other (the options were checked when they were made)."""
     if merged_out is not None and merge_into is None:
         raise AdapterAggregateError("--merged-output needs --merge-into (the base model to merge into)")
     if merged_out is not None and Path(merged_out).resolve() == Path(out_dir).resolve():
@@ -939,7 +934,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--base", metavar="MODEL_DIR", help="the model --merge adds the adapter's update to")
     cli.add_out(parser, "folder of the aggregate adapter, or of the --merge model (atomic)")
-    cli.add_options(parser, "the aggregate section (adapter_merge, weights, max_shard_size)")
+    cli.add_options(
+        parser, "the aggregate section (adapter_merge, weights, server_optimizer, max_shard_size, dtype)"
+    )
     parser.add_argument(
         "--manifest", nargs="+", default=[], metavar="SITE=PATH", help="site manifests, for weights tokens"
     )
@@ -961,12 +958,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--server-state-out", default=None, metavar="DIR", help="where this round's server state goes"
     )
-    parser.add_argument(
-        "--dtype",
-        default="auto",
-        choices=OUTPUT_DTYPES,
-        help="dtype of the adapter's tensors (auto: as the first site's); sums are taken in fp32",
-    )
     args = parser.parse_args(argv)
     options = AggregateOptions.from_json(args.options)
     if args.merge:
@@ -977,14 +968,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     aggregate_adapters(
         _adapter_pairs(args.adapters),
         args.out,
-        mode=options.adapter_merge,
-        weights=options.weights,
+        options,
         manifests=parse_pairs(args.manifest, "--manifest"),
-        dtype=args.dtype,
         merge_into=args.merge_into,
         merged_out=args.merged_output,
-        max_shard_size=options.max_shard_size,
-        server_optimizer=options.server_optimizer,
         server_state_in=args.server_state_in,
         server_state_out=args.server_state_out,
         start=args.start,

@@ -29,20 +29,14 @@ from pathlib import Path
 
 import torch
 
-from fedtune.aggregate.methods import CHUNK, METHODS, MergeMethod, chunks, fedavg_rows, weighted_mean
+from fedtune.aggregate.methods import CHUNK, MergeMethod, chunks, fedavg_rows, merge_method, weighted_mean
 from fedtune.aggregate.model_compat import CONFIG_FILE, COPIED_FILES, compatibility_problems
+from fedtune.aggregate.options import AggregateOptions, ServerOptimizerOptions
 from fedtune.aggregate.server_optimizers import slots, step
 from fedtune.core import cli, exchange, token_counts
 from fedtune.core.atomic import atomic_dir, write_json
 from fedtune.core.checksums import SOURCE_RECORD, sha256_file
-from fedtune.core.config import (
-    AggregateOptions,
-    ConfigError,
-    ServerOptimizerOptions,
-    UserError,
-    check_weights,
-    torch_dtype,
-)
+from fedtune.core.config import ConfigError, UserError, check_weights, torch_dtype
 from fedtune.core.models import record_checksums, verify_checksums
 from fedtune.core.safetensors_stream import (
     ST_DTYPES,
@@ -126,15 +120,14 @@ def manifest_tokens(site: str, path: Path, *, error: type[UserError] = Aggregate
 
 
 def resolve_weights(
-    spec: str | Mapping[str, float] | Sequence[float],
+    spec: str | Mapping[str, float],
     sites: Sequence[str],
     tokens: Mapping[str, int | None],
     *,
     error: type[UserError] = AggregateError,
 ) -> tuple[str, dict[str, float]]:
     """(source, raw weight per site) from aggregate.weights: tokens (the sites' manifests), uniform, or
-    a mapping site -> number; the Python API of adapters also takes one number per site, in order.
-    Raises `error` (the calling stage's) naming what is wrong."""
+    a mapping site -> number. Raises `error` (the calling stage's) naming what is wrong."""
     if spec == "uniform":
         return "uniform", {site: 1.0 for site in sites}
     if spec == "tokens":
@@ -144,14 +137,6 @@ def resolve_weights(
         return "tokens", _positive({site: tokens[site] for site in sites}, "tokens", error)
     if isinstance(spec, str):
         raise error(f"weights: {spec!r} is neither tokens, uniform nor a mapping site -> number")
-    if not isinstance(spec, Mapping):
-        spec = list(spec)
-        if len(spec) != len(sites):
-            raise error(
-                f"weights: {len(spec)} weight(s) {spec} for {len(sites)} adapter(s) {list(sites)}: "
-                "give one per adapter"
-            )
-        spec = dict(zip(sites, spec, strict=True))
     bad = {s: v for s, v in spec.items() if not _finite_non_negative(v)}
     if bad:
         raise error(f"weights: {bad} are not finite non-negative numbers")
@@ -385,7 +370,7 @@ def aggregate(
     made."""
     started = time.perf_counter()
     options = options or AggregateOptions.from_mapping({})
-    method = METHODS[options.method]
+    method = merge_method(options.method)
     optimizer = options.server_optimizer
     if server_state_in is None and server_state_out is None and optimizer.plain_first_step:
         # A one-shot merge: fedavgm's first step (m = delta) at lr 1 is plain sgd, and no state is kept;
@@ -393,10 +378,10 @@ def aggregate(
         if not optimizer.plain or options.vocab_step != 1:
             _log(f"one merge with {optimizer.name} at lr 1 and no server state: the sites' mean")
         options = dataclasses.replace(
-            options, server_optimizer=ServerOptimizerOptions.from_mapping({"name": "sgd"}), vocab_step=1
+            options, server_optimizer=ServerOptimizerOptions.plain_step(), vocab_step=1
         )
     plain = (
-        method.mean
+        method.entry.mean
         and options.server_optimizer.plain
         and not (options.rows_by_counts and options.vocab_factor(len(models)) != 1)
     )
@@ -520,7 +505,7 @@ def _vocab_rows(
     record = {"mode": options.vocab_rows, "tensors": []}
     if options.vocab_rows == "weights":
         return {}, record
-    if options.method != "fedavg":
+    if not options.entry.mean:
         why = f"method {options.method} merges every tensor with the sites' weights"
     else:
         counts = {m.site: token_counts.read(m.path) for m in site_models}

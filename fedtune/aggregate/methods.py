@@ -8,7 +8,9 @@ masks). It yields the merged task vector in fp32 (merged model = base + task vec
 `chunks(n)`, each valid until the next is asked for: elementwise methods (fedavg, TIES after its cut)
 never hold a whole task vector. fedtune.aggregate.merge streams every method's chunks the same way
 through the server optimizer (for every method but fedavg, the merged task vector plays the role of the
-round's pseudo-gradient); `task_vector` collects them into one tensor. METHODS is the registry.
+round's pseudo-gradient); `task_vector` collects them into one tensor. The registry, which names each
+method's function here with its parameters and defaults, is fedtune.aggregate.options.MERGE_METHODS;
+`merge_method(name)` gives an entry with its function.
 
 The definitions follow mergekit 0.1.5 (mergekit/merge_methods/generalized_task_arithmetic.py, registry.py
 and sparsify.py), with mergekit's per-model `weight` set to the normalised weights:
@@ -31,6 +33,7 @@ do not depend on the order tensors are visited in, nor on sharding."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -38,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fedtune.aggregate.options import MERGE_METHODS, MergeMethodEntry, resolve
 from fedtune.core.token_counts import rows_of_chunk
 
 Params = Mapping[str, object]
@@ -51,14 +55,30 @@ RESCALES = ("l1", "density")
 
 @dataclass(frozen=True)
 class MergeMethod:
-    """One entry of the registry: the name aggregate.method gives it, the aggregate options it reads
-    with their defaults (the schema's), and its function. `mean`: with a plain server step (sgd at lr
-    1) the merged model is the sites' weighted mean, which is computed without the start model."""
+    """A registry entry (fedtune.aggregate.options.MERGE_METHODS) with its function."""
 
-    name: str
-    parameters: Mapping[str, object]
+    entry: MergeMethodEntry
     merge: MergeFunction
-    mean: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+    @property
+    def parameters(self) -> Mapping[str, object]:
+        return self.entry.parameters
+
+
+def merge_method(name: str) -> MergeMethod:
+    """The registry's entry `name` with its function (looked up when asked, so that an entry added at
+    run time counts)."""
+    entry = MERGE_METHODS[name]
+    return MergeMethod(entry, _function(entry.function))
+
+
+@functools.cache
+def _function(function: str) -> MergeFunction:
+    return resolve(function, __name__)
 
 
 def weighted_mean(
@@ -187,21 +207,6 @@ def dare_ties(base, sites, weights, params):
     yield from _whole(_generalized(base, sites, weights, params, sparsify=_bernoulli, consensus=True))
 
 
-_DARE = {"lambda": 1.0, "density": 1.0, "seed": 0, "rescale": "l1"}
-
-# The registry: adding a merge method is one function above and one entry here (docs/design.md).
-METHODS: dict[str, MergeMethod] = {
-    m.name: m
-    for m in (
-        MergeMethod("fedavg", {}, fedavg, mean=True),
-        MergeMethod("task_arithmetic", {"lambda": 1.0}, task_arithmetic),
-        MergeMethod("ties", {"lambda": 1.0, "density": 1.0}, ties),
-        MergeMethod("dare_linear", _DARE, dare_linear),
-        MergeMethod("dare_ties", _DARE, dare_ties),
-    )
-}
-
-
 def chunks(n: int) -> Iterator[tuple[int, int]]:
     """(start, end) of each chunk of a tensor of n entries: the streaming order of every method."""
     for start in range(0, n, CHUNK):
@@ -210,7 +215,7 @@ def chunks(n: int) -> Iterator[tuple[int, int]]:
 
 def task_vector(method: str, base, sites, weights, params: Params | None = None) -> torch.Tensor:
     """A method's whole task vector (fp32), with its parameters' defaults for those not in `params`."""
-    entry = METHODS[method]
+    entry = merge_method(method)
     out = torch.empty(base.numel())
     parts = entry.merge(base, sites, weights, {**entry.parameters, **(params or {})})
     for (start, end), part in zip(chunks(base.numel()), parts, strict=True):

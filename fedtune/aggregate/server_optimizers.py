@@ -18,61 +18,48 @@ that each rule is exactly the paper's: Flower's FedAdam multiplies lr by the bia
 sqrt(1 - b2^(t+1)) / (1 - b1^(t+1)), and its FedAdagrad fixes b1 = 0 (set betas: [0, ...] for that).
 The state (m, v) is kept in fp32.
 
-OPTIMIZERS is the registry (name, parameters with their defaults, step, state slots); the options
-(fedtune.core.config.ServerOptimizerOptions) are checked once, against aggregate.schema.yaml, when they
-are made, so nothing here checks them again."""
+The registry (name, parameters with their defaults, the step function here by name, state slots, and
+whether it steps low-rank factors) is fedtune.aggregate.options.SERVER_OPTIMIZERS; the options
+(ServerOptimizerOptions) are checked once, against aggregate.schema.yaml, when they are made, so nothing
+here checks them again."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+import functools
+from collections.abc import Callable
 
 import torch
 
-from fedtune.core.config import ServerOptimizerOptions
+from fedtune.aggregate.options import ServerOptimizerOptions, resolve
 
 # step(options, delta, state, out) -> update; see `step` below.
 Step = Callable[[ServerOptimizerOptions, torch.Tensor, dict, dict], torch.Tensor]
 
 
-@dataclass(frozen=True)
-class ServerOptimizer:
-    """One entry of the registry: the name aggregate.server_optimizer.name gives it, the options it
-    reads with their defaults (the schema's), its update rule and the state it keeps per tensor."""
-
-    name: str
-    parameters: Mapping[str, object]
-    step: Step
-    slots: tuple[str, ...] = ()
-    # The update is a linear combination of this and past rounds' pseudo-gradients, so LoRA adapters can
-    # carry it exactly as stacked low-rank factors (fedtune.aggregate.adapters.server_factors).
-    linear: bool = False
-
-
-def _sgd(options, delta, state, out):
+def sgd(options, delta, state, out):
     return delta.mul_(options.lr)
 
 
-def _fedavgm(options, delta, state, out):
+def fedavgm(options, delta, state, out):
     m = out["m"]
     _decay(m, state.get("m"), options.momentum).add_(delta)
     return m * options.lr
 
 
-def _fedadam(options, delta, state, out):
+def fedadam(options, delta, state, out):
     m = _first_moment(options, delta, state, out)
     _, b2 = options.betas
     v = _decay(out["v"], state.get("v"), b2).addcmul_(delta, delta, value=1 - b2)
     return _adaptive_update(options, m, v, delta)
 
 
-def _fedadagrad(options, delta, state, out):
+def fedadagrad(options, delta, state, out):
     m = _first_moment(options, delta, state, out)
     v = _copy(out["v"], state.get("v")).addcmul_(delta, delta)
     return _adaptive_update(options, m, v, delta)
 
 
-def _fedyogi(options, delta, state, out):
+def fedyogi(options, delta, state, out):
     m = _first_moment(options, delta, state, out)
     _, b2 = options.betas
     v = _copy(out["v"], state.get("v"))
@@ -81,25 +68,9 @@ def _fedyogi(options, delta, state, out):
     return _adaptive_update(options, m, v, delta)
 
 
-_ADAPTIVE = {"lr": 1.0, "betas": (0.9, 0.99), "tau": 1e-3}
-
-# The registry: adding a server optimizer is one step function and one entry here (and in the schema's
-# enum, which a test holds equal to this).
-OPTIMIZERS: dict[str, ServerOptimizer] = {
-    o.name: o
-    for o in (
-        ServerOptimizer("sgd", {"lr": 1.0}, _sgd, linear=True),
-        ServerOptimizer("fedavgm", {"lr": 1.0, "momentum": 0.5}, _fedavgm, ("m",), linear=True),
-        ServerOptimizer("fedadam", _ADAPTIVE, _fedadam, ("m", "v")),
-        ServerOptimizer("fedyogi", _ADAPTIVE, _fedyogi, ("m", "v")),
-        ServerOptimizer("fedadagrad", _ADAPTIVE, _fedadagrad, ("m", "v")),
-    )
-}
-
-
 def slots(options: ServerOptimizerOptions) -> tuple[str, ...]:
     """Names of the state tensors the configured optimizer keeps per model tensor."""
-    return OPTIMIZERS[options.name].slots
+    return options.slots
 
 
 def step(
@@ -111,7 +82,12 @@ def step(
     """The update for one tensor, from its pseudo-gradient `delta` (fp32, overwritten). `state` holds
     the previous m and v (None in the first round: zeros); the new ones are written into `out` (fp32
     buffers of the same length). Returns the update (a new tensor, or `delta` reused)."""
-    return OPTIMIZERS[options.name].step(options, delta, state, out)
+    return _step_function(options.entry.step)(options, delta, state, out)
+
+
+@functools.cache
+def _step_function(function: str) -> Step:
+    return resolve(function, __name__)
 
 
 def _first_moment(options, delta, state, out) -> torch.Tensor:

@@ -16,519 +16,65 @@ block that must fit the model, sweep points), and hands the stages typed, frozen
 Each options object has one JSON form (`to_json()` / `from_json()`), the rule -> CLI boundary: a rule
 passes `--options '<json>'`, the CLI turns it back into the same object through the same checks.
 
-This module imports nothing from fedtune (every stage imports it) and no torch at import time, so
-Snakemake's start-up stays fast."""
+The schema machinery, the errors and the options base class are in fedtune.core.options; the stages'
+options classes beside their stages (fedtune.tokenize.options, fedtune.train.options,
+fedtune.aggregate.options), which this module composes and re-exports. Those import only
+fedtune.core.options, and none of them imports torch at import time, so Snakemake's start-up stays fast."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import functools
-import importlib.resources
 import json
 import math
-import os
 import random
 import re
-import string
 import sys
-import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 import yaml
-from referencing import Registry
-from referencing.jsonschema import DRAFT202012
 
-# Shipped inside the package (an installed fedtune validates configs too); workflow/schemas links here.
-SCHEMAS = importlib.resources.files("fedtune") / "schemas"
-MAIN_SCHEMA = "config.schema.yaml"
-
-# The two tasks (config `task`); every stage names them through these.
-CAUSAL_LM = "causal-lm"
-CLASSIFICATION = "sequence-classification"
-TASKS = (CAUSAL_LM, CLASSIFICATION)
-
-# Weight dtypes by name, and the low-precision dtype of each training precision.
-DTYPES = ("float32", "bfloat16", "float16")
-PRECISION_DTYPES = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
-
-# config.json keys that hold a model's longest sequence, by architecture family.
-MAX_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length")
+# Re-exported: every stage imports these names from here.
+from fedtune.aggregate.options import (  # noqa: F401
+    LOW_RANK_SERVER_OPTIMIZERS,
+    MERGE_METHODS,
+    MERGED_DTYPES,
+    AggregateOptions,
+    ServerOptimizerOptions,
+)
+from fedtune.core.options import (  # noqa: F401
+    CAUSAL_LM,
+    CLASSIFICATION,
+    DTYPES,
+    MAIN_SCHEMA,
+    MAX_POSITION_KEYS,
+    PRECISION_DTYPES,
+    SCHEMAS,
+    TASKS,
+    ConfigError,
+    UserError,
+    _load_yaml,
+    _Options,
+    check_fits,
+    check_global_batch,
+    check_template,
+    check_weights,
+    deep_merge,
+    freeze,
+    label_problem,
+    max_positions,
+    parse_json,
+    schema,
+    thaw,
+    torch_dtype,
+    validate_section,
+)
+from fedtune.tokenize.options import TokenizeOptions
+from fedtune.train.options import AdapterOptions, TrainOptions  # noqa: F401
 
 DEVICES_AXIS = "devices"
-
-
-class UserError(ValueError):
-    """A mistake the user can fix (a config key, an option, a file): one line that names it. Every
-    stage's own error class derives from it, so a CLI reports them all alike (exit code 2)."""
-
-
-class ConfigError(UserError):
-    """A user error in the config: the message names the file and the key to fix."""
-
-
-def torch_dtype(name: str):
-    """The torch dtype of a name in DTYPES (imports torch: call it from stage code only)."""
-    import torch
-
-    if name not in DTYPES:
-        raise ConfigError(f"dtype: {name!r} is not one of {', '.join(DTYPES)}")
-    return getattr(torch, name)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Schema validation
-
-
-def _load_yaml(path) -> Any:
-    return yaml.safe_load(path.read_text(encoding="utf-8"))
-
-
-@functools.cache
-def _registry() -> Registry:
-    resources = []
-    for path in sorted(
-        (p for p in SCHEMAS.iterdir() if p.name.endswith(".schema.yaml")), key=lambda p: p.name
-    ):
-        # Section schemas carry no $schema of their own, so that $ref keeps the default-filling validator.
-        resources.append((path.name, DRAFT202012.create_resource(_load_yaml(path))))
-    return Registry().with_resources(resources)
-
-
-def _with_defaults(validator_class):
-    """A validator that fills in `default` values while it validates (the jsonschema FAQ recipe),
-    following $ref into the other schema files."""
-    validate_properties = validator_class.VALIDATORS["properties"]
-
-    def set_defaults(validator, properties, instance, schema):
-        if isinstance(instance, dict):
-            for name, subschema in properties.items():
-                if "default" in subschema and name not in instance:
-                    instance[name] = copy.deepcopy(subschema["default"])
-        yield from validate_properties(validator, properties, instance, schema)
-
-    return jsonschema.validators.extend(validator_class, {"properties": set_defaults})
-
-
-_DefaultFilling = _with_defaults(jsonschema.Draft202012Validator)
-
-
-@functools.cache
-def _validator(schema_name: str):
-    return _DefaultFilling(schema(schema_name), registry=_registry())
-
-
-def schema(name: str = MAIN_SCHEMA) -> dict:
-    """A schema file by name, or a part of one by reference ("config.schema.yaml#/$defs/dataset")."""
-    if "#" in name:
-        return {"$ref": name}
-    return _load_yaml(SCHEMAS / name)
-
-
-def _key_path(error: jsonschema.ValidationError, prefix: str) -> str:
-    parts = [prefix] if prefix else []
-    parts += [str(p) for p in error.absolute_path]
-    return ".".join(parts) or "(top level)"
-
-
-def _explain(error: jsonschema.ValidationError) -> str:
-    if error.validator == "additionalProperties":
-        allowed = sorted(error.schema.get("properties", {}))
-        return f"{error.message}; allowed keys: {', '.join(allowed)}"
-    if error.validator == "pattern" and error.schema.get("pattern") == "\\{text\\}":
-        return f"{error.instance!r} does not contain the placeholder {{text}}"
-    return error.message
-
-
-def validate_section(data: Any, schema_name: str, *, source: str, prefix: str = "") -> Any:
-    """Validate `data` against one schema file, filling defaults in place; raise ConfigError naming
-    `source` (a file or a CLI option) and the key path of the first problem."""
-    validator = _validator(schema_name)
-    errors = sorted(validator.iter_errors(data), key=lambda e: (len(list(e.absolute_path)), e.message))
-    if errors:
-        err = errors[0]
-        # The deepest cause names the key that is wrong, not the oneOf/anyOf that wraps it.
-        while err.context:
-            err = sorted(err.context, key=lambda e: -len(list(e.absolute_path)))[0]
-        raise ConfigError(f"{source}: {_key_path(err, prefix)}: {_explain(err)}")
-    return data
-
-
-def deep_merge(base: Mapping, override: Mapping) -> dict:
-    merged = copy.deepcopy(dict(base))
-    for key, value in override.items():
-        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
-            merged[key] = deep_merge(merged[key], value)
-        else:
-            merged[key] = copy.deepcopy(value)
-    return merged
-
-
-def parse_json(text: str, source: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{source}: not valid JSON: {e}") from None
-
-
-# ---------------------------------------------------------------------------------------------------
-# Rules a schema cannot express, each written once; the stages call these.
-
-
-def check_template(template: str, where: str) -> None:
-    """A prompt template is a format string whose only field is {text}."""
-    if "{text}" not in template:
-        raise ConfigError(f"{where}: {template!r} does not contain {{text}}")
-    try:
-        fields = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
-    except ValueError as e:
-        raise ConfigError(f"{where}: {template!r} is not a valid format string: {e}") from None
-    extra = fields - {"text"}
-    if extra:
-        raise ConfigError(
-            f"{where}: {template!r} uses {sorted(extra)}; only {{text}} is filled in "
-            "(write literal braces as {{ and }})"
-        )
-
-
-def max_positions(model_config: Mapping) -> int | None:
-    """The longest sequence a model takes, from its config.json values or an `architecture` section."""
-    for key in MAX_POSITION_KEYS:
-        if isinstance(model_config.get(key), int):
-            return model_config[key]
-    return None
-
-
-def check_fits(length: int, model_config: Mapping, where: str, origin: str) -> None:
-    """A block or window of `length` tokens must fit the model's position embeddings; `origin` says
-    where the model's config came from."""
-    limit = max_positions(model_config)
-    if limit is not None and length > limit:
-        raise ConfigError(f"{where}: {length} exceeds the model's maximum positions ({limit}) in {origin}")
-
-
-def label_problem(values, num_labels: int) -> str | None:
-    """Why a label column cannot be a classifier's targets (classes 0..num_labels-1), or None."""
-    import numpy as np
-
-    values = np.asarray(values)
-    if not len(values):
-        return None
-    if not np.issubdtype(values.dtype, np.integer):
-        return (
-            f"holds {values.dtype} values, not class numbers (first: {values[:3].tolist()}); "
-            f"map them to 0..{num_labels - 1} first"
-        )
-    bad = np.flatnonzero((values < 0) | (values >= num_labels))
-    if len(bad):
-        return (
-            f"row {int(bad[0])} has label {int(values[bad[0]])}, outside 0..{num_labels - 1} "
-            f"(the model has {num_labels} classes)"
-        )
-    return None
-
-
-def check_weights(weights: Mapping[str, float], sites: Sequence[str], where: str) -> None:
-    """Explicit aggregation weights name every site once and do not sum to zero."""
-    unknown = sorted(set(weights) - set(sites))
-    missing = sorted(set(sites) - set(weights))
-    if unknown or missing:
-        raise ConfigError(f"{where}: must name every site once; unknown: {unknown}, missing: {missing}")
-    if sum(weights.values()) <= 0:
-        raise ConfigError(f"{where}: the weights sum to zero")
-
-
-def check_global_batch(global_batch: int, micro_batch: int, world_size: int, where: str) -> None:
-    """Gradient accumulation must be whole: global_batch = micro_batch x world size x accumulation."""
-    unit = micro_batch * world_size
-    if global_batch % unit:
-        below = max(unit, global_batch // unit * unit)
-        raise ConfigError(
-            f"{where}: {global_batch} must be a multiple of micro_batch ({micro_batch}) "
-            f"x world size ({world_size}) = {unit}, so that gradient accumulation steps are whole; "
-            f"use global_batch {below} or {below + unit}, or change micro_batch"
-        )
-
-
-# ---------------------------------------------------------------------------------------------------
-# Typed options
-
-
-def freeze(value):
-    """A JSON value that cannot change: mappings become read-only views, lists tuples (all the way down)."""
-    if isinstance(value, Mapping):
-        return types.MappingProxyType({key: freeze(item) for key, item in value.items()})
-    if isinstance(value, (list, tuple)):
-        return tuple(freeze(item) for item in value)
-    return value
-
-
-def thaw(value):
-    """Plain JSON values (dicts, lists) of an options object or a frozen value, nested ones included: the
-    JSON form, and what a library that wants a dict gets (transformers' configs, a JSON record)."""
-    if isinstance(value, _Options):
-        return {f.name: thaw(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, Mapping):
-        return {key: thaw(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [thaw(item) for item in value]
-    return value
-
-
-class _Options:
-    """The JSON form shared by the options objects: the rule -> CLI boundary."""
-
-    SCHEMA: str = ""
-    PREFIX: str = ""  # where the section stands in a config, for messages
-    # Keys without a schema default: absent from a section, None in the object and null in the JSON form.
-    UNSET: tuple[str, ...] = ()
-
-    def to_json(self) -> str:
-        return json.dumps(thaw(self), separators=(",", ":"))
-
-    def to_dict(self) -> dict:
-        """The JSON form as plain values (lists, not tuples), as the config file writes them."""
-        return json.loads(self.to_json())
-
-    @classmethod
-    def from_json(cls, text: str, *, source: str = "--options"):
-        return cls.from_mapping(parse_json(text, source), source=source)
-
-    @classmethod
-    def from_mapping(cls, data: Mapping, *, source: str = "--options", prefix: str | None = None):
-        """From a section as a config or --options writes it: checked by the schema, defaults filled in."""
-        return cls.from_valid(cls._validated(data, source, cls.PREFIX if prefix is None else prefix))
-
-    @classmethod
-    def from_valid(cls, values: Mapping):
-        """From values the schema has checked and filled in already (UNSET keys None)."""
-        return cls(**values)
-
-    @classmethod
-    def _validated(cls, data: Mapping, source: str, prefix: str) -> dict:
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"{source}: {prefix or 'options'}: expected a mapping, got {data!r}")
-        data = {key: value for key, value in data.items() if not (key in cls.UNSET and value is None)}
-        values = validate_section(thaw(data), cls.SCHEMA, source=source, prefix=prefix)
-        return {**dict.fromkeys(cls.UNSET), **values}
-
-
-@dataclass(frozen=True)
-class AdapterOptions(_Options):
-    """train.adapter: the LoRA adapter (peft) each site trains on a frozen base, as train.schema.yaml
-    validated it (a part of TrainOptions: its JSON form is TrainOptions')."""
-
-    method: str
-    r: int
-    alpha: float
-    dropout: float
-    target_modules: str | tuple[str, ...] | None  # a str is peft's "all-linear" or a regular expression
-    modules_to_save: tuple[str, ...] | None
-    quantize: str
-
-    @classmethod
-    def from_valid(cls, values: Mapping) -> AdapterOptions:
-        """From the train schema's validated adapter section (defaults filled in)."""
-        targets, save = values["target_modules"], values["modules_to_save"]
-        return cls(
-            **{
-                **values,
-                "target_modules": tuple(targets) if isinstance(targets, list) else targets,
-                "modules_to_save": None if save is None else tuple(save),
-            }
-        )
-
-    @property
-    def quantized(self) -> bool:
-        """QLoRA: a 4-bit base (bitsandbytes)."""
-        return self.quantize != "none"
-
-
-@dataclass(frozen=True)
-class TrainOptions(_Options):
-    """How one site trains: train.schema.yaml, after the cross-key rules (see `check`)."""
-
-    SCHEMA = "train.schema.yaml"
-
-    backend: str
-    sharding: str
-    zero_stage: int
-    offload_optimizer: bool
-    offload_params: bool
-    deepspeed_extra: dict
-    precision: str
-    adapter: AdapterOptions | None
-    gradient_checkpointing: bool | int
-    compile: bool
-    micro_batch: int
-    global_batch: int
-    max_steps: int | None
-    epochs: float
-    lr: float
-    embedding_lr_factor: float
-    min_lr_ratio: float
-    weight_decay: float
-    betas: tuple[float, float]
-    warmup_steps: int
-    schedule: str
-    fedprox_mu: float
-    grad_clip: float
-    seed: int
-    checkpoint_every: int
-    keep_checkpoints: int
-    remove_checkpoints: bool
-    retries: int
-    log_every: int
-    max_shard_size: str
-    nodes: int
-    processes_per_node: int
-    cpus_per_process: int
-    gpus_per_node: int
-    mem_mb: int
-    runtime: int
-    launcher: str
-    device: str
-
-    @classmethod
-    def from_mapping(cls, data: Mapping, *, source: str = "--options", prefix: str = "") -> TrainOptions:
-        options = cls.from_valid(cls._validated(data, source, prefix))
-        options.check(f"{source}: {prefix + '.' if prefix else ''}")
-        return options
-
-    @classmethod
-    def from_valid(cls, values: Mapping) -> TrainOptions:
-        """From a section the train schema has validated (before the cross-key rules of `check`)."""
-        adapter = values["adapter"]
-        return cls(
-            **{
-                **values,
-                "betas": tuple(values["betas"]),
-                "adapter": None if adapter is None else AdapterOptions.from_valid(adapter),
-            }
-        )
-
-    def check(self, where: str) -> None:
-        """The rules between keys; `where` prefixes the key named in the error ("file: sites.x.train.")."""
-        deepspeed = self.backend == "deepspeed"
-        if self.offload_params and not (deepspeed and self.zero_stage == 3):
-            raise ConfigError(f"{where}offload_params: needs backend deepspeed with zero_stage 3")
-        if self.offload_optimizer and not (deepspeed and self.zero_stage >= 1):
-            raise ConfigError(f"{where}offload_optimizer: needs backend deepspeed with zero_stage 1, 2 or 3")
-        if self.sharding in ("hybrid", "hybrid_zero2") and not self.fsdp:
-            raise ConfigError(f"{where}sharding: {self.sharding} is an fsdp mode; deepspeed uses zero_stage")
-        if self.fedprox_mu and deepspeed and self.zero_stage != 3:
-            raise ConfigError(
-                f"{where}fedprox_mu: needs backend fsdp or deepspeed with zero_stage 3 (its per-rank "
-                f"partitions); zero_stage is {self.zero_stage}"
-            )
-        if self.compile and deepspeed:
-            # ZeRO-3 gathers parameters in hooks around each layer: not checked inside compiled layers.
-            raise ConfigError(f"{where}compile: needs backend fsdp (FSDP2 or DDP), not deepspeed")
-        if self.deepspeed_extra and not deepspeed:
-            raise ConfigError(f"{where}deepspeed_extra: given, but backend is {self.backend}")
-        if self.adapter and self.adapter.quantized:
-            if self.device == "cpu":
-                raise ConfigError(
-                    f"{where}adapter.quantize: {self.adapter.quantize} (QLoRA, bitsandbytes) needs a CUDA "
-                    "device, but device is cpu; use quantize: none"
-                )
-            # A 4-bit base is a replica per GPU: sharding it would need bitsandbytes' quant storage under
-            # FSDP or ZeRO-3, which fedtune does not set up.
-            if not (self.fsdp and self.sharding == "none"):
-                raise ConfigError(
-                    f"{where}adapter.quantize: {self.adapter.quantize} needs backend fsdp with sharding none "
-                    "(plain data parallel over a 4-bit base on every GPU)"
-                )
-        # Set by scripts/clusters/iris.sh: V100s have no bf16, and emulating it would be slow and silent.
-        if self.precision == "bf16" and os.environ.get("FEDTUNE_NO_BF16") == "1":
-            raise ConfigError(f"{where}precision: bf16, but this cluster's GPUs have none; use fp16 or fp32")
-        check_global_batch(self.global_batch, self.micro_batch, self.world_size, f"{where}global_batch")
-
-    @property
-    def fsdp(self) -> bool:
-        return self.backend == "fsdp"
-
-    @property
-    def world_size(self) -> int:
-        return self.nodes * self.processes_per_node
-
-    @property
-    def checkpoint_layers_every(self) -> int:
-        """Activation checkpointing of every N-th decoder layer: 0 none, 1 all (gradient_checkpointing:
-        true)."""
-        return int(self.gradient_checkpointing)
-
-    @property
-    def low_precision(self) -> str | None:
-        """The dtype name computation runs in under mixed precision; None for fp32."""
-        return PRECISION_DTYPES[self.precision]
-
-    @property
-    def sharding_label(self) -> str:
-        """What training.json records: the FSDP sharding or the ZeRO stage."""
-        return self.sharding if self.fsdp else f"zero{self.zero_stage}"
-
-    def total_steps(self, steps_per_epoch: int) -> int:
-        if self.max_steps is not None:
-            return self.max_steps
-        return max(1, int(self.epochs * steps_per_epoch))
-
-    # Slurm: what a train job asks for and how scripts/launch starts its processes.
-    @property
-    def slurm_tasks(self) -> int:
-        """Tasks the launcher starts: one per node (torchrun) or one per process (srun)."""
-        if self.launcher == "torchrun":
-            return self.nodes
-        if self.launcher == "srun":
-            return self.world_size
-        return 1
-
-    # The job's task geometry, as the Slurm executor plugin's resources: `tasks` (--ntasks) or
-    # `tasks_per_node` (--ntasks-per-node; the plugin takes one of the two for an mpi job, and the latter
-    # only above 1). With srun and several processes per node it is the latter, so that Slurm places
-    # exactly processes_per_node tasks on each node, the layout scripts/launch's srun asks for.
-    @property
-    def slurm_tasks_per_node(self) -> int | None:
-        if self.job_launcher == "srun" and self.processes_per_node > 1:
-            return self.processes_per_node
-        return None
-
-    @property
-    def slurm_total_tasks(self) -> int | None:
-        return None if self.slurm_tasks_per_node else self.slurm_tasks
-
-    @property
-    def job_launcher(self) -> str:
-        # A single task needs no srun step (the job already runs on its node): torchrun starts it directly.
-        return self.launcher if self.slurm_tasks > 1 else "local"
-
-    @property
-    def cpus_per_task(self) -> int:
-        return self.cpus_per_process * (1 if self.launcher == "srun" else self.processes_per_node)
-
-    @property
-    def gres(self) -> str | None:
-        return f"gpu:{self.gpus_per_node}" if self.gpus_per_node else None
-
-    @property
-    def tasks_per_gpu(self) -> int | None:
-        """0 on a GPU job: the Slurm plugin then sends no --ntasks-per-gpu (without it, it would turn
-        `tasks` into one). That option puts SLURM_NTASKS_PER_GPU into the batch step, which the job's own
-        srun (scripts/launch) refuses beside --ntasks-per-node (Slurm 22.05) and, from 23.11 on, beside
-        the SLURM_TRES_PER_TASK that --cpus-per-task adds (the plugin's issues 342, 373); it would also
-        bind each task to one GPU (docs/clusters.md, "The GPU job's task geometry"). The geometry is
-        --nodes, --ntasks-per-node (or --ntasks) and --gres=gpu:<gpus_per_node>, which is per node."""
-        return 0 if self.gpus_per_node else None
-
-    @property
-    def slurm_extra(self) -> str | None:
-        """`--exclusive` for a GPU job over several nodes: NCCL's traffic between nodes shares no node (and
-        none of its network cards) with another job, as the sites ask of such jobs. One node: None."""
-        return "--exclusive" if self.nodes > 1 and self.gpus_per_node else None
 
 
 @dataclass(frozen=True)
@@ -816,175 +362,6 @@ def _check_data_stays(config: Mapping, sites: Mapping[str, Site], source: str) -
             f"is false; set evaluate.cross_site: {NO_CROSS_SITE} (each site's text is then scored on its own "
             f"cluster, and only the scores cross), or {key}: true if its text may be read on {aggregate_on}"
         )
-
-
-@dataclass(frozen=True)
-class TokenizeOptions(_Options):
-    """How one site's text becomes blocks: the tokenize section (config.schema.yaml#/$defs/tokenize), with
-    the site's prompt template and columns and the run's task (`python -m fedtune.tokenize shard`)."""
-
-    SCHEMA = "config.schema.yaml#/$defs/tokenize"
-    SITE_KEYS = ("task", "template", "text_field", "label_field")
-
-    block_size: int
-    mode: str
-    shards: int
-    add_bos: bool
-    task: str = CAUSAL_LM
-    template: str = "{text}"
-    text_field: str = "text"
-    label_field: str = "label"
-
-    @classmethod
-    def from_mapping(cls, data: Mapping, *, source: str = "--options", prefix: str = "") -> TokenizeOptions:
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"{source}: {prefix or 'options'}: expected a mapping, got {data!r}")
-        section = {k: v for k, v in data.items() if k not in cls.SITE_KEYS}
-        site = {k: v for k, v in data.items() if k in cls.SITE_KEYS}
-        options = cls(**cls._validated(section, source, prefix), **site)
-        options.check(f"{source}: {prefix + '.' if prefix else ''}")
-        return options
-
-    def check(self, where: str) -> None:
-        if self.task not in TASKS:
-            raise ConfigError(f"{where}task: {self.task!r} is not one of {', '.join(TASKS)}")
-        for key in ("text_field", "label_field"):
-            if not isinstance(getattr(self, key), str) or not getattr(self, key):
-                raise ConfigError(f"{where}{key}: {getattr(self, key)!r} is not a column name")
-        check_template(self.template, f"{where}template")
-
-    def for_site(self, template: str, dataset: DatasetOptions) -> TokenizeOptions:
-        """These options with a site's prompt template and its dataset's columns."""
-        return dataclasses.replace(
-            self, template=template, text_field=dataset.text_field, label_field=dataset.label_field
-        )
-
-
-# The aggregate stage's options (aggregate.schema.yaml). The merge methods' and server optimizers'
-# names, parameters and defaults are the schema's; fedtune.aggregate.methods and .server_optimizers
-# hold one registry each, which tests/test_aggregate_registries.py keeps equal to the schema.
-
-# dtypes of the merged model's floating tensors: a model dtype, or auto (as the sites store them).
-MERGED_DTYPES = ("auto", *DTYPES)
-
-
-@dataclass(frozen=True)
-class ServerOptimizerOptions(_Options):
-    """aggregate.server_optimizer: how the merged task vector moves the global model."""
-
-    SCHEMA = "aggregate.schema.yaml#/properties/server_optimizer"
-    PREFIX = "aggregate.server_optimizer"
-
-    name: str
-    lr: float
-    momentum: float
-    betas: tuple[float, float]
-    tau: float
-
-    @classmethod
-    def from_valid(cls, values: Mapping) -> ServerOptimizerOptions:
-        """From values the schema has checked and filled in already."""
-        return cls(**{**values, "betas": tuple(values["betas"])})
-
-    @property
-    def plain(self) -> bool:
-        """The update is the merged task vector itself (sgd at lr 1): x = start + delta."""
-        return self.name == "sgd" and self.lr == 1.0
-
-    @property
-    def plain_first_step(self) -> bool:
-        """Its first round, with no state yet, is the plain step: sgd or fedavgm (m = delta) at lr 1. A
-        one-shot merge (no state read or kept) is then the plain mean."""
-        return self.name in ("sgd", "fedavgm") and self.lr == 1.0
-
-    def adapter_problem(self, adapter_merge: str) -> str | None:
-        """Why this optimizer cannot step LoRA adapters combined by `adapter_merge` (None: it can). The one
-        place of this rule: the run config and a direct call of the adapter aggregate both ask here."""
-        if self.name not in LOW_RANK_SERVER_OPTIMIZERS:
-            return (
-                f"aggregate.server_optimizer: {self.name} keeps per-coordinate state that is not low-rank; "
-                f"with train.adapter use {' or '.join(LOW_RANK_SERVER_OPTIMIZERS)}"
-            )
-        if not self.plain and adapter_merge != "exact":
-            return (
-                f"aggregate.server_optimizer: {self.name} with train.adapter needs aggregate.adapter_merge: "
-                "exact (average_factors is not the sites' mean update, so a step on it is not the "
-                "optimizer's; sgd at lr 1 takes either)"
-            )
-        return None
-
-
-@dataclass(frozen=True)
-class AggregateOptions(_Options):
-    """The aggregate section, and the dtype the merged model is written in (model.dtype in a run; not a
-    key of the section, so it is checked here rather than by the schema)."""
-
-    SCHEMA = "aggregate.schema.yaml"
-
-    method: str
-    adapter_merge: str
-    lam: float  # `lambda` in the config and the JSON form (a Python keyword)
-    density: float
-    seed: int
-    rescale: str
-    server_optimizer: ServerOptimizerOptions
-    compare: tuple[str, ...]
-    weights: str | dict[str, float]
-    vocab_rows: str
-    vocab_step: str | float
-    max_shard_size: str
-    dtype: str = "auto"
-
-    @classmethod
-    def from_mapping(
-        cls, data: Mapping, *, source: str = "--options", prefix: str = "aggregate"
-    ) -> AggregateOptions:
-        data = dict(data) if isinstance(data, Mapping) else data
-        dtype = data.pop("dtype", "auto") if isinstance(data, dict) else "auto"
-        if dtype not in MERGED_DTYPES:
-            raise ConfigError(f"{source}: dtype: {dtype!r} is not one of {', '.join(MERGED_DTYPES)}")
-        values = cls._validated(data, source, prefix)
-        values["lam"] = values.pop("lambda")
-        # Checked with the section's schema above, which holds the server optimizer's.
-        values["server_optimizer"] = ServerOptimizerOptions.from_valid(values["server_optimizer"])
-        values["compare"] = tuple(values["compare"])
-        return cls(**values, dtype=dtype)
-
-    def to_dict(self) -> dict:
-        values = {
-            ("lambda" if f.name == "lam" else f.name): getattr(self, f.name) for f in dataclasses.fields(self)
-        }
-        values["server_optimizer"] = self.server_optimizer.to_dict()
-        return json.loads(json.dumps(values))
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), separators=(",", ":"))
-
-    @property
-    def parameters(self) -> dict:
-        """The merge methods' parameters by their config names (each method reads its own)."""
-        return {"lambda": self.lam, "density": self.density, "seed": self.seed, "rescale": self.rescale}
-
-    @property
-    def rows_by_counts(self) -> bool:
-        """The vocab rows are merged by the sites' token counts (and stepped by vocab_step): vocab_rows
-        counts, which only method fedavg reads."""
-        return self.vocab_rows == "counts" and self.method == "fedavg"
-
-    def vocab_factor(self, sites: int) -> float:
-        """What the vocab rows' merged update is multiplied by in a round of `sites` sites (vocab_step)."""
-        return float(sites) if self.vocab_step == "sites" else float(self.vocab_step)
-
-    def merge_json(self) -> str:
-        """The JSON form one merge reads: without the compared methods, so that adding one to
-        aggregate.compare does not rerun every round's aggregation (Snakemake reruns on params)."""
-        return dataclasses.replace(self, compare=()).to_json()
-
-    def compared_json(self, method: str) -> str:
-        """The JSON form of a compared method (aggregate.compare): the same parameters, no server
-        optimizer."""
-        plain = ServerOptimizerOptions.from_mapping({"name": "sgd", "lr": 1.0})
-        return dataclasses.replace(self, method=method, server_optimizer=plain, compare=()).to_json()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1365,8 +742,11 @@ def _sweep_points(config: Mapping, site: str, base: TrainOptions, source: str) -
             values = _device_options(base.to_dict(), value, where)
         else:
             values = {**base.to_dict(), axis: value}
-        validate_section(values, TrainOptions.SCHEMA, source=source, prefix=f"sweep.values[{i}]")
-        options = TrainOptions.from_valid(values)
+        section = {k: v for k, v in values.items() if k not in TrainOptions.RUN_KEYS}
+        validate_section(section, TrainOptions.SCHEMA, source=source, prefix=f"sweep.values[{i}]")
+        options = dataclasses.replace(
+            TrainOptions.from_valid(values), **train_run_keys(config, federated=False)
+        )
         options.check(f"{where} ({axis} {value!r}): ")
         label = sweep_label(axis, value)
         if label in points:
@@ -1385,6 +765,24 @@ def site_train_options(config: Mapping, site: str, *, source: str = "config") ->
     return TrainOptions.from_mapping(merged, source=source, prefix=f"sites.{site}.train")
 
 
+def train_run_keys(config: Mapping, *, federated: bool) -> dict:
+    """What a train job reads of the run beyond its train section (TrainOptions.RUN_KEYS), from a
+    validated config: the model's dtype and pickle switch; for a round of the federation its rounds, its
+    learning-rate schedule and whether the aggregate reads token counts; one training of its own (the
+    pooled baseline, a sweep point) is one round that writes them, as before these were options."""
+    keys = {"dtype": config["model"]["dtype"], "allow_pickle": config["model"]["allow_pickle"]}
+    if not federated:
+        return {**keys, "rounds": 1, "lr_schedule": "continue", "token_counts": True}
+    federation = config["federation"]
+    return {
+        **keys,
+        "rounds": federation["rounds"],
+        "lr_schedule": federation["lr_schedule"],
+        # Nothing reads the counts under vocab_rows weights: the site's token histogram stays home.
+        "token_counts": config["aggregate"]["vocab_rows"] == "counts",
+    }
+
+
 def _pooled_options(
     config: Mapping, sites: Mapping[str, Site], source: str, participants: Sequence[Sequence[str]] = ()
 ) -> TrainOptions:
@@ -1393,6 +791,7 @@ def _pooled_options(
     same tokens."""
     rounds = config["federation"]["rounds"]
     base = TrainOptions.from_mapping(config["train"], source=source, prefix="train")
+    base = dataclasses.replace(base, **train_run_keys(config, federated=False))
     if all(site.train.max_steps is not None for site in sites.values()):
         trained = participants or [list(sites)] * rounds
         blocks = sum(
@@ -1417,11 +816,6 @@ def _aggregate_options(
     return aggregate
 
 
-# The server optimizers whose update is linear in the pseudo-gradients, which LoRA adapters carry exactly
-# (fedtune.aggregate.server_optimizers marks them `linear`; a test holds the two equal).
-LOW_RANK_SERVER_OPTIMIZERS = ("sgd", "fedavgm")
-
-
 def _check_adapters(
     aggregate: AggregateOptions, federation: Mapping, sites: Mapping[str, Site], source: str
 ) -> None:
@@ -1435,10 +829,11 @@ def _check_adapters(
             f"{source}: train.adapter: set for {', '.join(adapted)} but not for {', '.join(plain)}; "
             "every site trains an adapter or none does"
         )
-    if aggregate.method != "fedavg":
+    if not aggregate.entry.adapters:
+        takes = [name for name, entry in MERGE_METHODS.items() if entry.adapters]
         raise ConfigError(
             f"{source}: aggregate.method: {aggregate.method} merges whole task vectors; with "
-            "train.adapter use fedavg (aggregate.adapter_merge says how the adapters combine)"
+            f"train.adapter use {' or '.join(takes)} (aggregate.adapter_merge says how the adapters combine)"
         )
     problem = aggregate.server_optimizer.adapter_problem(aggregate.adapter_merge)
     if problem:
@@ -1512,7 +907,9 @@ def build_run_config(config: dict, *, source: str = "config", base_dir: Path | N
             cluster=site["cluster"],
             dataset=dataset,
             prompt_template=site["prompt_template"],
-            train=site_train_options(config, name, source=source),
+            train=dataclasses.replace(
+                site_train_options(config, name, source=source), **train_run_keys(config, federated=True)
+            ),
             tokenize=tokenize.for_site(site["prompt_template"], dataset),
         )
     check_fits(

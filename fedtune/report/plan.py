@@ -175,7 +175,6 @@ def scratch_parts(run: RunConfig, cluster: str | None, model_config: Mapping) ->
     """Bytes the run keeps on `cluster`'s scratch (None: the only one), by kind. Whole models only; with
     train.adapter the site models are adapters and every round's merged start model a whole one."""
     from fedtune.aggregate.adapter_size import ITEM_BYTES, config_dtype, model_parameters, transfer_bytes
-    from fedtune.aggregate.server_optimizers import slots
 
     params = model_parameters(model_config)
     dtype = run.model.dtype if run.model.dtype in ITEM_BYTES else config_dtype(model_config)
@@ -214,7 +213,7 @@ def scratch_parts(run: RunConfig, cluster: str | None, model_config: Mapping) ->
         received = rounds * (1 + len(run.aggregate.compare)) if here else rounds - cross_site(run)
         parts["aggregates" if here else "aggregates received"] = received * model
         if here:
-            parts["server optimizer state"] = rounds * len(slots(run.aggregate.server_optimizer)) * params * 4
+            parts["server optimizer state"] = rounds * len(run.aggregate.server_optimizer.slots) * params * 4
         if run.site_optimizer == "keep":
             parts["site optimizer states"] = rounds * len(local) * ADAM_MOMENT_BYTES_PER_PARAM * params
         parts["checkpoints while training"] = (

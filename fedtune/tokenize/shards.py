@@ -31,11 +31,11 @@ from fedtune.core.checksums import sha256_file
 from fedtune.core.config import (
     CAUSAL_LM,
     CLASSIFICATION,
-    TokenizeOptions,
     UserError,
     check_fits,
     label_problem,
 )
+from fedtune.tokenize.options import TokenizeOptions
 
 COUNTS = "counts.json"
 LABEL_IGNORE = -100

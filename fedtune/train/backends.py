@@ -21,10 +21,11 @@ from typing import Protocol
 
 import torch
 
-from fedtune.core.config import ConfigError, TrainOptions, deep_merge, torch_dtype
+from fedtune.core.config import ConfigError, deep_merge, torch_dtype
 from fedtune.tokenize.blocks import trained_tokens
 from fedtune.train import speed
 from fedtune.train.distributed import Job
+from fedtune.train.options import TrainOptions
 from fedtune.train.speed import adamw_implementation, decoder_layer_classes, pin_batch
 
 ADAM_EPS = 1e-8

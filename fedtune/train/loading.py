@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fedtune.core.config import TrainOptions
 from fedtune.core.safetensors_stream import ST_DTYPES, read_header
+from fedtune.train.options import TrainOptions
 
 if TYPE_CHECKING:  # backends imports torch.distributed's modules; loaded when a backend is built
     from fedtune.train.backends import Backend

@@ -3,14 +3,16 @@ task: token blocks train a causal LM, labelled rows (task sequence-classificatio
 
     scripts/launch --procs-per-node 2 -- python -m fedtune.train --site alpha \\
         --init results/demo/model/base --manifest results/demo/data/alpha/manifest.json \\
-        --options '{"backend": "fsdp", "max_steps": 60}' --dtype float32 \\
+        --options '{"backend": "fsdp", "max_steps": 60, "dtype": "float32"}' \\
         --checkpoints results/demo/round-1/alpha/checkpoints --out results/demo/round-1/alpha/model
 
 Every process runs this file; scripts/launch (or torchrun, or srun) starts one per device and sets
 RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT. `--options` is the train
-section of the config (fedtune/schemas/train.schema.yaml), merged with the site's overrides: the JSON
-form of fedtune.core.config.TrainOptions. With its `adapter` set, a LoRA adapter (peft) trains on the frozen
-model and --out is a PEFT adapter folder (fedtune.core.adapters).
+section of the config (fedtune/schemas/train.schema.yaml), merged with the site's overrides, with what
+the job reads of the run beside it (the exported dtype, allow_pickle, the federation's rounds and
+lr_schedule, token_counts): the JSON form of fedtune.train.options.TrainOptions. With its `adapter` set,
+a LoRA adapter (peft) trains on the frozen model and --out is a PEFT adapter folder
+(fedtune.core.adapters).
 
 Exit codes:
     0   trained and exported to --out
@@ -38,11 +40,12 @@ from typing import TYPE_CHECKING
 from fedtune.core import adapters, cli, token_counts, tracking
 from fedtune.core.atomic import atomic_dir, write_json, write_text
 from fedtune.core.checksums import SOURCE_RECORD
-from fedtune.core.config import CAUSAL_LM, CLASSIFICATION, ConfigError, TrackingOptions, TrainOptions
+from fedtune.core.config import CAUSAL_LM, CLASSIFICATION, ConfigError, TrackingOptions
 from fedtune.core.models import load_model, load_tokenizer, save_model
 from fedtune.tokenize.blocks import BlockOrder, Blocks, manifest_shards, trained_tokens
 from fedtune.tokenize.shards import verify_shard
 from fedtune.train import checkpoint, distributed, loading
+from fedtune.train.options import TrainOptions
 from fedtune.train.schedule import learning_rate
 
 if TYPE_CHECKING:
@@ -133,34 +136,31 @@ class RoundPlan:
 
 @dataclass(frozen=True)
 class TrainJob:
-    """The files of one train job (the CLI's paths and flags, apart from the options and the round)."""
+    """The files of one train job (the CLI's paths and per-job facts, apart from the options and the round)."""
 
     site: str
     init: Path
     manifest: tuple[Path, ...]
     checkpoints: Path
     out: Path
-    dtype: str = "float32"
-    allow_pickle: bool = False
     summary_only: bool = False
     optimizer_in: Path | None = None
     optimizer_out: Path | None = None
     tracking: dict | None = None  # the config's tracking section, checked (None: not tracked)
     run: str | None = None
-    token_counts: bool = True  # write token_counts.json (aggregate.vocab_rows: counts)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> TrainJob:
         return cls(
             site=args.site, init=args.init, manifest=tuple(args.manifest), checkpoints=args.checkpoints,
-            out=args.out, dtype=args.dtype, allow_pickle=args.allow_pickle, summary_only=args.summary_only,
+            out=args.out, summary_only=args.summary_only,
             optimizer_in=args.optimizer_in, optimizer_out=args.optimizer_out,
             tracking=(
                 tracking.check_available(TrackingOptions.from_json(args.tracking, source="--tracking"))
                 if args.tracking
                 else None
             ),
-            run=args.run_name, token_counts=args.token_counts,
+            run=args.run_name,
         )  # fmt: skip
 
 
@@ -243,7 +243,7 @@ def setup(args: TrainJob, options: TrainOptions, plan: RoundPlan) -> Setup:
     torch.manual_seed(options.seed)
     # Weights read once (fedtune.train.loading; per rank where a mode replicates them), then sharded.
     backend = loading.load_backend(
-        args.init, options, job, order.accumulation, task=task, allow_pickle=args.allow_pickle
+        args.init, options, job, order.accumulation, task=task, allow_pickle=options.allow_pickle
     )
     if args.optimizer_in:
         backend.load_optimizer(args.optimizer_in)
@@ -456,7 +456,7 @@ def summary(run: Setup, progress: TrainingProgress, started: float) -> dict:
         "backend": options.backend,
         "sharding": options.sharding_label,
         "precision": options.precision,
-        "dtype": args.dtype,
+        "dtype": options.dtype,
         "global_batch": options.global_batch,
         "micro_batch": options.micro_batch,
         "gradient_accumulation": order.accumulation,
@@ -484,15 +484,19 @@ def export(run: Setup, progress: TrainingProgress, started: float) -> dict | Non
         tmp.chmod(0o755)
         if run.options.adapter and not args.summary_only:
             # The PEFT folder: the trainable tensors only; the base is the round's start model.
-            adapters.write_adapter(run.backend.module, state, tmp, args.dtype)
+            adapters.write_adapter(run.backend.module, state, tmp, run.options.dtype)
         elif not args.summary_only:
             # Rank 0 verified these weights when training started.
             model = load_model(
-                args.init, task=run.task, dtype=args.dtype, allow_pickle=args.allow_pickle, verify=False
+                args.init,
+                task=run.task,
+                dtype=run.options.dtype,
+                allow_pickle=run.options.allow_pickle,
+                verify=False,
             )
             model.load_state_dict(state)
             save_model(model, load_tokenizer(args.init), tmp, max_shard_size=run.options.max_shard_size)
-            if run.task == CAUSAL_LM and args.token_counts:
+            if run.task == CAUSAL_LM and run.options.token_counts:
                 write_token_counts(run, progress, model, tmp)
         write_json(tmp / TRAINING_SUMMARY, record)
         write_text(tmp / "loss.csv", progress.loss_log)
@@ -519,24 +523,15 @@ def parse_args(argv=None):
         help="the site's tokenize manifest.json (several: their blocks train as one data set, the pooled baseline)",
     )  # fmt: skip
     parser.add_argument("--options", required=True, help="train options as JSON (train.schema.yaml)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--checkpoints", required=True, type=Path, help="folder of resumable checkpoints")
     cli.add_out(parser, "exported model folder", type=Path)
-    parser.add_argument("--allow-pickle", action="store_true", help="accept .bin weights in --init")
+    # A flag, not an option: which round this job is, a fact of the invocation (the rule's wildcard), so
+    # that every round's job of a site reads the same --options.
     parser.add_argument("--round", type=int, default=1, help="federation round of this job (1-based)")
-    parser.add_argument("--rounds", type=int, default=1, help="rounds of the federation")
-    parser.add_argument(
-        "--lr-schedule", choices=["continue", "restart"], default="continue",
-        help="one learning-rate schedule over all rounds (continue) or one per round (restart)",
-    )  # fmt: skip
     parser.add_argument("--optimizer-in", type=Path, help="optimizer state of the site's previous round")
     parser.add_argument("--optimizer-out", type=Path, help="where to save the optimizer state at the end")
     cli.add_tracking(parser)
-    parser.add_argument(
-        "--token-counts", action=argparse.BooleanOptionalAction, default=True,
-        help="write token_counts.json beside the model, for the aggregate's vocab rows; --no-token-counts"
-        " where they are not merged by counts (aggregate.vocab_rows: weights), so the histogram stays here",
-    )  # fmt: skip
+    # What this job is for, not how it trains: the sweep's jobs record training.json and no weights.
     parser.add_argument(
         "--summary-only",
         action="store_true",
@@ -548,10 +543,10 @@ def parse_args(argv=None):
 @cli.entry("fedtune.train.loop", offline=True)
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if not 1 <= args.round <= args.rounds:
-        raise ConfigError(f"--round: {args.round} is not in 1..{args.rounds} (--rounds)")
-    plan = RoundPlan(args.round, args.rounds, args.lr_schedule)
     options = TrainOptions.from_json(args.options, source="--options")
+    if not 1 <= args.round <= options.rounds:
+        raise ConfigError(f"--round: {args.round} is not in 1..{options.rounds} (the options' rounds)")
+    plan = RoundPlan(args.round, options.rounds, options.lr_schedule)
     code = train(TrainJob.from_args(args), options, plan)
     if code == EXIT_RETRY:
         marker = os.environ.get(RETRY_MARKER_ENV)

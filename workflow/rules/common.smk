@@ -336,11 +336,9 @@ OPTIMIZER_OUTPUT = (
 
 
 def round_args(wildcards):
-    """Where the job sits in the federation, and the optimizer state it continues and leaves."""
-    args = f"--round {wildcards.round} --rounds {RUN.rounds} --lr-schedule {RUN.lr_schedule}"
-    if RUN.aggregate.vocab_rows == "weights":
-        # Nothing reads the counts: the site's token histogram does not leave its cluster.
-        args += " --no-token-counts"
+    """Which round the job is, and the optimizer state it continues and leaves (the federation's rounds,
+    lr schedule and token counts are in its --options: TrainOptions.RUN_KEYS)."""
+    args = f"--round {wildcards.round}"
     if KEEP_OPTIMIZER:
         args += (
             f" --optimizer-out {site_optimizer_dir(wildcards.round, wildcards.site)}"

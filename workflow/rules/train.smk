@@ -50,10 +50,9 @@ rule train:
     params:
         launch=train_launch_args,
         site=lambda wc: wc.site,
+        # The train section with what the job reads of the run (dtype, allow_pickle, rounds, ...).
         options=lambda wc: train_job_options(wc).to_json(),
-        dtype=RUN.model.dtype,
         checkpoints=lambda wc: run_path(f"round-{wc.round}", wc.site, "checkpoints"),
-        pickle="--allow-pickle" if RUN.model.allow_pickle else "",
         # The model training starts from; train_merging makes it in the job first.
         start=lambda wc, input: input.init,
         merge="",
@@ -64,8 +63,8 @@ rule train:
         # Appended, not overwritten: a resumed attempt keeps the log of the one it continues.
         '{params.merge}"$FEDTUNE_LAUNCH" {params.launch} -- python -m fedtune.train --site {params.site}'
         " --init {params.start:q} --manifest {input.manifest:q} --options {params.options:q}"
-        " --dtype {params.dtype} --checkpoints {params.checkpoints:q} --out {output.model:q}"
-        " {params.round_args} {params.pickle} {params.summary_only} {params.tracking}"
+        " --checkpoints {params.checkpoints:q} --out {output.model:q}"
+        " {params.round_args} {params.summary_only} {params.tracking}"
         " >> {log:q} 2>&1"
 
 
