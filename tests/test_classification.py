@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedtune.core.config import DatasetOptions, ModelOptions
+from fedtune.core.config import DatasetOptions, EvaluateOptions, ModelOptions
 from fedtune.core.models import CLASSIFICATION, ModelError, load_model, load_tokenizer, model_task
 from fedtune.download.fetch import DownloadError, download_data, download_model
 from fedtune.evaluate.scores import EvaluateError, classification_metrics, evaluate
@@ -271,9 +271,12 @@ def test_evaluate_scores_predictions_with_padding_masked(classifier_dir, tmp_pat
     labels = [i % NUM_LABELS for i in range(24)]
     DatasetDict({"test": Dataset.from_dict({"text": texts, "label": labels})}).save_to_disk(tmp_path / "raw")
     # stride belongs to perplexity windows: a classifier ignores it, even one above max_length.
-    common = dict(task=CLASSIFICATION, max_length=24, stride=512, device="cpu", template="{text}")
-    batched = evaluate(classifier_dir, tmp_path / "raw", batch_size=8, **common)
-    single = evaluate(classifier_dir, tmp_path / "raw", batch_size=1, **common)
+    settings = dict(task=CLASSIFICATION, max_length=24, stride=512)
+    batched, single = (
+        evaluate(classifier_dir, tmp_path / "raw", EvaluateOptions.from_mapping({**settings, "batch_size": size}),
+                 device="cpu", template="{text}")
+        for size in (8, 1)
+    )  # fmt: skip
     model = load_model(classifier_dir, task=CLASSIFICATION).eval()
     tokenizer = load_tokenizer(classifier_dir)
     with torch.no_grad():
@@ -291,7 +294,7 @@ def test_evaluate_refuses_a_missing_label_column(classifier_dir, tmp_path):
 
     DatasetDict({"test": Dataset.from_dict({"text": ["a"]})}).save_to_disk(tmp_path / "raw")
     with pytest.raises(EvaluateError, match="--label-field: .* has no column 'label'"):
-        evaluate(classifier_dir, tmp_path / "raw", task=CLASSIFICATION)
+        evaluate(classifier_dir, tmp_path / "raw", EvaluateOptions.from_mapping({"task": CLASSIFICATION}))
 
 
 # -- aggregate ------------------------------------------------------------------------------------------

@@ -81,7 +81,7 @@ def test_copied_task_read_offline_scores_as_the_lm_eval_cli(tiny_model_dir, tmp_
     out = user / "run" / "base.csv"
     ours = subprocess.run(
         [sys.executable, "-m", "fedtune.evaluate.downstream", "--model", str(tiny_model_dir), "--tasks-dir", "run/tasks",
-         "--device", "cpu", "--batch-size", "4", "--limit", LIMIT, "--label", "base", "--round", "0",
+         "--device", "cpu", "--options", json.dumps({"batch_size": 4, "task_limit": int(LIMIT)}), "--label", "base", "--round", "0",
          "--out", str(out)],
         cwd=user, env=offline_env(tmp_path), capture_output=True, text=True, timeout=900,
     )  # fmt: skip
@@ -239,7 +239,7 @@ def test_tasks_are_wired_into_the_dag_only_when_configured(tmp_path):
     assert all(job.wildcards["round"] == str(rounds) for job in scored.values())
     command = " ".join(scored["aggregate"].shell.split())  # an adapter run adds --base here
     assert f"--model results/demo/round-{rounds}/aggregate/model --tasks-dir results/demo/tasks" in command
-    assert "--limit 5 --num-fewshot 0" in command
+    assert """"task_limit":5,"num_fewshot":0}'""" in command and "--limit" not in command
     (report,) = [job for job in jobs if job.name == "report"]
     assert (
         "--task-names fedtune_demo_alpha" in report.shell
@@ -305,7 +305,14 @@ def test_an_adapter_is_scored_on_its_base_as_its_merged_model_scores(tiny_model_
         "{}",
     )
     fedtune("fedtune.download.fetch", "tasks", "--tasks", str(ROOT / PROJECT_TASK), "--out", "tasks")
-    score = ["--tasks-dir", "tasks", "--device", "cpu", "--batch-size", "4", "--limit", LIMIT]
+    score = [
+        "--tasks-dir",
+        "tasks",
+        "--device",
+        "cpu",
+        "--options",
+        json.dumps({"batch_size": 4, "task_limit": int(LIMIT)}),
+    ]
     fedtune(
         "fedtune.evaluate.downstream",
         "--model",

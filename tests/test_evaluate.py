@@ -12,10 +12,15 @@ import random
 import pytest
 import torch
 
-from fedtune.core.config import ConfigError
+from fedtune.core.config import ConfigError, EvaluateOptions
 from fedtune.evaluate.scores import EvaluateError, Window, build_stream, evaluate, score, windows
 
 TEMPLATE = "Scrivi: {text}"
+
+
+def options(**settings) -> EvaluateOptions:
+    """The evaluate section with these settings, the schema's defaults for the rest."""
+    return EvaluateOptions.from_mapping(settings)
 
 
 def corpus(n: int) -> list[str]:
@@ -50,7 +55,7 @@ def test_windows_disjoint_and_sliding():
     assert windows(10, 4, 4) == windows(10, 4, None)
     assert windows(10, 4, 2) == [Window(0, 4, 4), Window(2, 6, 2), Window(4, 8, 2), Window(6, 10, 2)]
     assert windows(3, 8, 2) == [Window(0, 3, 3)]
-    with pytest.raises(EvaluateError, match="--stride"):
+    with pytest.raises(EvaluateError, match="stride: 5 must be between 1 and max_length"):
         windows(10, 4, 5)
 
 
@@ -117,9 +122,8 @@ def test_perplexity_matches_hand_loops(tiny_model_dir, model_and_tokenizer, raw_
         # Sliding windows score every token but the first exactly once.
         assert count == len(ids) - 1
     # A batch size that does not divide the window count: the last batch holds a padded short window.
-    result = evaluate(
-        tiny_model_dir, data, template=TEMPLATE, max_length=max_length, stride=stride, batch_size=3
-    )
+    settings = options(max_length=max_length, stride=stride, batch_size=3)
+    result = evaluate(tiny_model_dir, data, settings, template=TEMPLATE)
     assert result["tokens"] == count
     assert result["stream_tokens"] == len(ids)
     assert result["windows"] == len(windows(len(ids), max_length, stride))
@@ -130,7 +134,9 @@ def test_perplexity_matches_hand_loops(tiny_model_dir, model_and_tokenizer, raw_
 
 def test_bits_per_byte(tiny_model_dir, raw_data):
     data, texts = raw_data
-    result = evaluate(tiny_model_dir, data, template=TEMPLATE, max_length=64, stride=32, max_documents=5)
+    result = evaluate(
+        tiny_model_dir, data, options(max_length=64, stride=32, max_documents=5), template=TEMPLATE
+    )
     n_bytes = sum(len(TEMPLATE.format(text=t).encode("utf-8")) for t in texts[:5])
     assert result["documents"] == 5 and result["bytes"] == n_bytes
     assert n_bytes > sum(len(TEMPLATE.format(text=t)) for t in texts[:5])  # the ò counts twice
@@ -144,13 +150,13 @@ def test_bits_per_byte(tiny_model_dir, raw_data):
 def test_option_and_data_errors(tiny_model_dir, raw_data):
     data, _ = raw_data
     with pytest.raises(EvaluateError, match="--split"):
-        evaluate(tiny_model_dir, data, split="validation")
+        evaluate(tiny_model_dir, data, options(), split="validation")
     with pytest.raises(EvaluateError, match="--text-field"):
-        evaluate(tiny_model_dir, data, text_field="body")
-    with pytest.raises(ConfigError, match=r"--max-length: 512 exceeds the model's maximum positions \(256\)"):
-        evaluate(tiny_model_dir, data, max_length=512)
+        evaluate(tiny_model_dir, data, options(), text_field="body")
+    with pytest.raises(ConfigError, match=r"max_length: 512 exceeds the model's maximum positions \(256\)"):
+        evaluate(tiny_model_dir, data, options(max_length=512))
     with pytest.raises(ConfigError, match="--template"):
-        evaluate(tiny_model_dir, data, template="{text} {other}")
+        evaluate(tiny_model_dir, data, options(), template="{text} {other}")
 
 
 def test_cli_writes_result(tiny_model_dir, raw_data, tmp_path, monkeypatch):
@@ -161,8 +167,19 @@ def test_cli_writes_result(tiny_model_dir, raw_data, tmp_path, monkeypatch):
         monkeypatch.setenv(name, "0")
     data, _ = raw_data
     out = tmp_path / "eval" / "alpha.json"
-    argv = ["--model", str(tiny_model_dir), "--data", str(data), "--template", TEMPLATE, "--max-length", "32"]
-    argv += ["--stride", "none", "--site", "alpha", "--label", "aggregate", "--round", "2", "--out", str(out)]
+    argv = ["--model", str(tiny_model_dir), "--data", str(data), "--template", TEMPLATE]
+    argv += [
+        "--options",
+        '{"max_length":32,"stride":null}',
+        "--site",
+        "alpha",
+        "--label",
+        "aggregate",
+        "--round",
+        "2",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     assert all(os.environ[name] == "1" for name in OFFLINE_VARIABLES)
     result = json.loads(out.read_text())
@@ -183,7 +200,16 @@ def test_one_load_scores_every_site_as_separate_runs_do(tiny_model_dir, raw_data
     for name in OFFLINE_VARIABLES:
         monkeypatch.setenv(name, "0")
     data, _ = raw_data
-    common = ["--model", str(tiny_model_dir), "--max-length", "32", "--label", "aggregate", "--round", "1"]
+    common = [
+        "--model",
+        str(tiny_model_dir),
+        "--options",
+        '{"max_length":32}',
+        "--label",
+        "aggregate",
+        "--round",
+        "1",
+    ]
     assert main([*common, "--data", str(data), "--site", "alpha", "--template", TEMPLATE,
                  "--out", str(tmp_path / "alone.json")]) == 0  # fmt: skip
     loads = []
@@ -214,7 +240,16 @@ def test_cli_sends_its_result_to_the_tracker(tiny_model_dir, raw_data, tmp_path)
     data, _ = raw_data
     out, tracked = tmp_path / "beta.json", tmp_path / "tracking"
     tracking = json.dumps({"backend": "tensorboard", "dir": str(tracked)})
-    argv = ["--model", str(tiny_model_dir), "--data", str(data), "--max-length", "32", "--site", "beta"]
+    argv = [
+        "--model",
+        str(tiny_model_dir),
+        "--data",
+        str(data),
+        "--options",
+        '{"max_length":32}',
+        "--site",
+        "beta",
+    ]
     argv += [
         "--label",
         "alpha",
@@ -249,3 +284,28 @@ def test_cuda_scores_like_cpu(model_and_tokenizer):
     gpu = score(copy.deepcopy(model).to("cuda"), ids, 32, 8, batch_size=5, device="cuda")
     assert gpu[1:] == cpu[1:]
     assert gpu[0] == pytest.approx(cpu[0], rel=1e-4)
+
+
+def test_options_are_the_single_source_of_the_settings(tiny_model_dir, raw_data, tmp_path, monkeypatch):
+    """--options carries every setting, the run's BOS choice included: the CLI scores as evaluate() does
+    with the same options object, and add_bos false in it changes the stream."""
+    from fedtune.core.offline import OFFLINE_VARIABLES
+    from fedtune.evaluate.scores import main
+
+    for name in OFFLINE_VARIABLES:
+        monkeypatch.setenv(name, "0")
+    data, _ = raw_data
+    settings = options(max_length=32, stride=16, batch_size=2).for_run("causal-lm", False, block_size=64)
+    assert settings.max_length == 32  # a language model keeps evaluate.max_length
+    direct = evaluate(tiny_model_dir, data, settings, template=TEMPLATE)
+    out = tmp_path / "alpha.json"
+    argv = ["--model", str(tiny_model_dir), "--data", str(data), "--template", TEMPLATE, "--out", str(out)]
+    assert main([*argv, "--options", settings.perplexity_json()]) == 0
+    result = json.loads(out.read_text())
+    assert result["add_bos"] is False and result["stride"] == 16 and result["batch_size"] == 2
+    assert result["perplexity"] == direct["perplexity"] and result["tokens"] == direct["tokens"]
+    with_bos = evaluate(tiny_model_dir, data, options(max_length=32, stride=16), template=TEMPLATE)
+    assert with_bos["stream_tokens"] > result["stream_tokens"]
+    # A classifier is cut where training cut it: tokenize.block_size, not evaluate.max_length.
+    assert options(max_length=32).for_run("sequence-classification", True, block_size=64).max_length == 64
+    assert main([*argv, "--options", '{"task":"nope"}']) == 2

@@ -18,7 +18,7 @@ passes `--options '<json>'`, the CLI turns it back into the same object through 
 
 The schema machinery, the errors and the options base class are in fedtune.core.options; the stages'
 options classes beside their stages (fedtune.tokenize.options, fedtune.train.options,
-fedtune.aggregate.options), which this module composes and re-exports. Those import only
+fedtune.aggregate.options, fedtune.evaluate.options), which this module composes and re-exports. Those import only
 fedtune.core.options, and none of them imports torch at import time, so Snakemake's start-up stays fast."""
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ from fedtune.core.options import (  # noqa: F401
     torch_dtype,
     validate_section,
 )
+from fedtune.evaluate.options import EvaluateOptions  # noqa: F401
 from fedtune.tokenize.options import TokenizeOptions
 from fedtune.train.options import AdapterOptions, TrainOptions  # noqa: F401
 
@@ -98,41 +99,6 @@ class TrackingOptions(_Options):
     @property
     def on(self) -> bool:
         return self.backend != "none"
-
-
-@dataclass(frozen=True)
-class EvaluateOptions(_Options):
-    """evaluate.schema.yaml."""
-
-    SCHEMA = "evaluate.schema.yaml"
-    PREFIX = "evaluate"
-
-    intermediate: str
-    max_length: int
-    stride: int | None
-    batch_size: int
-    max_documents: int | None
-    dtype: str | None
-    tasks: tuple[str, ...]
-    task_limit: int | None
-    num_fewshot: int | None
-    # Where each score is made (the workflow's choice, `resolve_cross_site`); no evaluation reads it.
-    cross_site: str | None = None
-
-    # Read by the downstream tasks only: the perplexity jobs get the options without them, so that a
-    # task added to the config does not rerun every perplexity evaluation (Snakemake reruns on params).
-    DOWNSTREAM_KEYS = ("tasks", "task_limit", "num_fewshot")
-    WORKFLOW_KEYS = ("cross_site",)
-
-    @classmethod
-    def from_valid(cls, values: Mapping) -> EvaluateOptions:
-        return cls(**{**values, "tasks": tuple(values["tasks"])})
-
-    def perplexity_json(self) -> str:
-        """The JSON form without the downstream tasks' keys: what fedtune.evaluate.scores reads."""
-        skipped = (*self.DOWNSTREAM_KEYS, *self.WORKFLOW_KEYS)
-        values = {k: v for k, v in self.to_dict().items() if k not in skipped}
-        return json.dumps(values, separators=(",", ":"))
 
 
 # The model and a site's dataset (config.schema.yaml#/$defs/model and #/$defs/dataset): the download

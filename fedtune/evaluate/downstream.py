@@ -33,7 +33,7 @@ from pathlib import Path
 
 from fedtune.core import cli
 from fedtune.core.atomic import write_json, write_text
-from fedtune.core.config import check_downstream_installed
+from fedtune.core.config import EvaluateOptions, check_downstream_installed
 from fedtune.core.lm_eval_tasks import (
     DATASETS_CACHE,
     INCLUDE,
@@ -171,15 +171,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the download stage's folder (results/<run>/tasks): its tasks, YAML copies and data cache",
     )
     parser.add_argument("--base", default=None, help="the base model of an adapter --model (train.adapter)")
+    # Which tasks, where the job has no --tasks-dir (a run by hand): a fact of the invocation, as the
+    # folder is the workflow's.
     parser.add_argument("--tasks", nargs="+", default=None, help="lm-eval task names (default: the folder's)")
     parser.add_argument("--include-path", nargs="*", default=[], help="folders of task YAMLs")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--limit", type=int, default=None, help="score the first N documents of each task")
-    parser.add_argument("--num-fewshot", type=int, default=None, help="default: each task's own")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    parser.add_argument(
+        "--options",
+        default=None,
+        help="every setting: the evaluate config section as JSON (evaluate.schema.yaml): batch_size, dtype, "
+        "task_limit (the first N documents of each task), num_fewshot (null: each task's own)",
+    )
     cli.add_scored_model(parser)
     cli.add_out(parser, "result file: .csv or .json")
     args = parser.parse_args(argv)
+    options = EvaluateOptions.from_json(args.options or "{}", source="--options")
     check_downstream_installed("fedtune.evaluate.downstream")
     include_path = list(args.include_path)
     tasks, registry = args.tasks, True
@@ -192,8 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not tasks:
         raise DownstreamError("--tasks: name at least one task (or give --tasks-dir)")
     table, entries = run_tasks(
-        args.model, tasks, include_path=include_path, registry=registry, batch_size=args.batch_size,
-        device=args.device, limit=args.limit, num_fewshot=args.num_fewshot, dtype=args.dtype,
+        args.model, tasks, include_path=include_path, registry=registry, batch_size=options.batch_size,
+        device=args.device, limit=options.task_limit, num_fewshot=options.num_fewshot, dtype=options.dtype,
         base=args.base,
     )  # fmt: skip
     label = args.label or Path(args.model).name

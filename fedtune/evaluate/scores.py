@@ -10,13 +10,12 @@ disjoint blocks, where the first token of each block has no context and is not s
 Perplexity depends on the tokenizer; bits per byte (total NLL in bits over the UTF-8 bytes of the text)
 does not, so models with different vocabularies can be compared on it.
 
-A classifier (--task sequence-classification) is scored by accuracy and macro-F1 on the test split's
+A classifier (task sequence-classification in --options) is scored by accuracy and macro-F1 on the test split's
 labels: each document is templated and tokenized as the tokenize stage does for classification (the
-tokenizer's special tokens, truncated at --max-length, which the workflow sets to tokenize.block_size)."""
+tokenizer's special tokens, truncated at max_length, which EvaluateOptions.for_run sets to tokenize.block_size)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -31,7 +30,6 @@ from fedtune.core.atomic import write_json
 from fedtune.core.config import (
     CAUSAL_LM,
     CLASSIFICATION,
-    TASKS,
     EvaluateOptions,
     TrackingOptions,
     UserError,
@@ -66,9 +64,9 @@ def windows(n_tokens: int, max_length: int, stride: int | None = None) -> list[W
     """The HF perplexity guide's windows over a stream of n_tokens; stride None means disjoint blocks."""
     stride = max_length if stride is None else stride
     if max_length < 2:
-        raise EvaluateError(f"--max-length: {max_length} is too small (at least 2 tokens)")
+        raise EvaluateError(f"max_length: {max_length} is too small (at least 2 tokens)")
     if not 1 <= stride <= max_length:
-        raise EvaluateError(f"--stride: {stride} must be between 1 and --max-length ({max_length})")
+        raise EvaluateError(f"stride: {stride} must be between 1 and max_length ({max_length})")
     result = []
     previous_end = 0
     for begin in range(0, n_tokens, stride):
@@ -282,35 +280,38 @@ def load(model_dir, *, base=None, task: str = CAUSAL_LM, dtype: str | None = Non
 def evaluate(
     model_dir: str | Path,
     data_dir: str | Path,
+    options: EvaluateOptions,
     *,
     split: str = "test",
     text_field: str = "text",
     template: str = "{text}",
-    max_length: int = 128,
-    stride: int | None = None,
-    batch_size: int = 8,
-    max_documents: int | None = None,
-    add_bos: bool = True,
-    dtype: str | None = None,
-    device: str | None = None,
+    label_field: str = "label",
     site: str | None = None,
     label: str | None = None,
     round_number: int | None = None,
-    task: str = CAUSAL_LM,
-    label_field: str = "label",
     base: str | Path | None = None,
+    device: str | None = None,
     loaded: tuple | None = None,
 ) -> dict:
-    """Scores of one model on one split. `base`: the base model of an adapter folder (train.adapter),
-    evaluated as base + adapter without merging. `loaded`: (model, tokenizer) as `load` returned them for
-    this model, device and dtype, so that one load serves every site."""
+    """Scores of one model on one split, as `options` (the evaluate section with the run's task and BOS
+    choice, EvaluateOptions.for_run) says; the rest are this job's facts: the paths, the site's columns
+    and template, the model's label and round. `base`: the base model of an adapter folder
+    (train.adapter), evaluated as base + adapter without merging. `loaded`: (model, tokenizer) as `load`
+    returned them for this model, device and dtype, so that one load serves every site."""
     import torch
 
     started = time.perf_counter()
+    task, max_length, stride, batch_size = (
+        options.task,
+        options.max_length,
+        options.stride,
+        options.batch_size,
+    )
+    max_documents, dtype, add_bos = options.max_documents, options.dtype, options.add_bos
     if task != CLASSIFICATION:
         windows(max_length, max_length, stride)  # option checks, before loading anything
     if batch_size < 1:
-        raise EvaluateError(f"--batch-size: {batch_size} must be at least 1")
+        raise EvaluateError(f"batch_size: {batch_size} must be at least 1")
     check_template(template, "--template")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     check_device(device)  # a GPU this torch build cannot drive stops here, not at the first kernel
@@ -346,7 +347,7 @@ def evaluate(
         raise EvaluateError(f"{data_dir} ({split}): {len(stream.ids)} tokens, nothing to score")
     model_config = weights / "config.json"
     if model_config.is_file():
-        check_fits(max_length, json.loads(model_config.read_text()), "--max-length", str(model_config))
+        check_fits(max_length, json.loads(model_config.read_text()), "max_length", str(model_config))
     model = loaded[0] if loaded else load(model_dir, base=base, dtype=dtype, device=device)[0]
 
     nll, scored, n_windows = score(
@@ -376,37 +377,6 @@ def evaluate(
     }
 
 
-def _stride(text: str) -> int | None:
-    if text.lower() in ("none", "null", ""):
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither a number nor none") from None
-
-
-# The options of one evaluation; `intermediate` says which evaluations the workflow asks for, and the
-# downstream keys are fedtune.evaluate.downstream's.
-OPTION_KEYS = tuple(
-    key
-    for key in EvaluateOptions.__dataclass_fields__
-    if key != "intermediate"
-    and key not in EvaluateOptions.DOWNSTREAM_KEYS
-    and key not in EvaluateOptions.WORKFLOW_KEYS
-)
-_UNSET = object()
-
-
-def resolve_options(options_json: str | None, flags: dict) -> EvaluateOptions:
-    """The evaluate config section (--options: EvaluateOptions' JSON form, defaults filled in), with any
-    option also given as its own flag taking precedence."""
-    import dataclasses
-
-    options = EvaluateOptions.from_json(options_json or "{}", source="--options")
-    given = {key: value for key, value in flags.items() if value is not _UNSET}
-    return dataclasses.replace(options, **given)
-
-
 def _tracking_options(args) -> TrackingOptions | None:
     """The tracking section of --tracking, checked before any model loads (None: not tracked)."""
     if args.tracking is None:
@@ -429,29 +399,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--base", default=None, help="the base model of an adapter --model (train.adapter)")
     parser.add_argument("--data", default=None, help="raw DatasetDict folder (save_to_disk): data/<site>/raw")
+    # Per-invocation facts, not settings: which split, and each site's columns and template (--sites).
     parser.add_argument("--split", default="test")
     parser.add_argument("--text-field", default="text")
-    parser.add_argument("--task", choices=TASKS, default=CAUSAL_LM)
     parser.add_argument("--label-field", default="label", help="class column (sequence-classification)")
     parser.add_argument("--template", default="{text}", help="format string applied to each document")
     parser.add_argument(
         "--options",
         default=None,
-        help="the evaluate config section as JSON (evaluate.schema.yaml); the flags below override it",
+        help="every setting: the evaluate config section as JSON (evaluate.schema.yaml) with the run's task "
+        "and add_bos (EvaluateOptions.for_run); defaults for what it leaves out",
     )
-    parser.add_argument("--max-length", type=int, default=_UNSET, help="tokens per window (128)")
-    parser.add_argument(
-        "--stride",
-        type=_stride,
-        default=_UNSET,
-        help="step between windows; none: max-length, disjoint blocks (none)",
-    )
-    parser.add_argument("--batch-size", type=int, default=_UNSET, help="windows per forward pass (8)")
-    parser.add_argument(
-        "--max-documents", type=int, default=_UNSET, help="evaluate the first N documents (all)"
-    )
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=_UNSET)
-    parser.add_argument("--add-bos", action=argparse.BooleanOptionalAction, default=True, help="as tokenize")
     parser.add_argument("--site", default=None, help="name of the site whose text this is (for the report)")
     cli.add_scored_model(parser)
     parser.add_argument("--out", default=None, help="result JSON")
@@ -466,9 +424,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     tracked = _tracking_options(args)
-    options = resolve_options(args.options, {key: getattr(args, key) for key in OPTION_KEYS})
+    options = EvaluateOptions.from_json(args.options or "{}", source="--options")
     sites = _site_jobs(args)
-    if args.task != CLASSIFICATION:
+    if options.task != CLASSIFICATION:
         windows(options.max_length, options.max_length, options.stride)  # option checks before loading
     for i, job in enumerate(sites):
         check_template(job["template"], f"--sites[{i}].template" if args.sites else "--template")
@@ -477,29 +435,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     check_device(device)
     # One load of the model for every site.
-    loaded = load(args.model, base=args.base, task=args.task, dtype=options.dtype, device=device)
+    loaded = load(args.model, base=args.base, task=options.task, dtype=options.dtype, device=device)
     for job in sites:
         result = evaluate(
             args.model,
             job["data"],
+            options,
             split=args.split,
             text_field=job["text_field"],
             template=job["template"],
-            add_bos=args.add_bos,
-            device=device,
+            label_field=job["label_field"],
             site=job["site"],
             label=args.label,
             round_number=args.round,
-            task=args.task,
-            label_field=job["label_field"],
             base=args.base,
+            device=device,
             loaded=loaded,
-            **{key: getattr(options, key) for key in OPTION_KEYS},
         )
         write_json(job["out"], result)
         if tracked is not None:
             tracking.log_evaluation(tracked, result, run=args.run_name)
-        _print_result(result, job["data"], args.task)
+        _print_result(result, job["data"], options.task)
     return 0
 
 

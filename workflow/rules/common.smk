@@ -610,17 +610,9 @@ def task_table(name, ext):
     return run_path("report", "tasks", f"{name}.{ext}")
 
 
-def downstream_options():
-    """The downstream CLI's flags for the evaluate section's task settings."""
-    options = RUN.evaluate
-    args = []
-    if options.task_limit is not None:
-        args.append(f"--limit {options.task_limit}")
-    if options.num_fewshot is not None:
-        args.append(f"--num-fewshot {options.num_fewshot}")
-    if options.dtype is not None:
-        args.append(f"--dtype {options.dtype}")
-    return " ".join(args)
+# The scoring jobs' --options: every setting, the run's task and BOS choice included (the text is
+# built as the tokenize stage built it). The perplexity jobs' JSON leaves out the downstream tasks' keys.
+EVAL_OPTIONS = RUN.evaluate.for_run(TASK, RUN.tokenize.add_bos, RUN.tokenize.block_size)
 
 
 def task_args():
@@ -900,13 +892,6 @@ def get_final_output(wildcards=None):
     if aggregates_here() and DOWNSTREAM:
         targets += [task_table(name, "csv") for name in DOWNSTREAM_NAMES]
     return targets
-
-
-def eval_task_args():
-    """A classifier sees each document cut where training cut it (its label field is in --sites)."""
-    if not CLASSIFICATION:
-        return ""
-    return f"--task {TASK} --max-length {RUN.tokenize.block_size}"
 
 
 # Every job's shell (download, tokenize, evaluate, the downstream tasks, aggregate; training again through

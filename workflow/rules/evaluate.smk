@@ -23,13 +23,9 @@ OWN_MODELS_HERE = (
     else [site for site in SITES if scored_here(site) and trains_here(site)]
 )
 
-# The text is built as the tokenize stage builds it: same template, same BOS choice.
-EVAL_BOS = "--add-bos" if RUN.tokenize.add_bos else "--no-add-bos"
-
-
 EVAL_SHELL = (
-    "python -m fedtune.evaluate --model {input.model:q} {params.base} --split test {params.bos}"
-    " --options {params.options:q} {params.task} --sites {params.sites:q}"
+    "python -m fedtune.evaluate --model {input.model:q} {params.base} --split test"
+    " --options {params.options:q} --sites {params.sites:q}"
     " --label {params.label} --round {params.round} {params.tracking} > {log:q} 2>&1"
 )
 
@@ -60,12 +56,10 @@ if sites_scored_here("base"):
             runtime=60,
         params:
             sites=eval_sites,
-            bos=EVAL_BOS,
-            options=RUN.evaluate.perplexity_json(),
+            options=EVAL_OPTIONS.perplexity_json(),
             label="base",
             round=0,
             base="",
-            task=eval_task_args(),
             tracking=lambda wc: tracking_args(),
         shell:
             EVAL_SHELL
@@ -145,7 +139,7 @@ if sites_scored_here("base"):
 # Downstream tasks (evaluate.tasks): lm-eval on the data the download stage put in the run folder.
 TASKS_SHELL = (
     "python -m fedtune.evaluate.downstream --model {input.model:q} {params.base} --tasks-dir {input.tasks:q}"
-    " --batch-size {params.batch_size} {params.options}"
+    " --options {params.options:q}"
     " --label {params.label} --round {params.round} --out {output:q} > {log:q} 2>&1"
 )
 
@@ -168,8 +162,7 @@ rule evaluate_tasks_base:
         mem_mb=evaluation_mem_mb,
         runtime=60,
     params:
-        batch_size=RUN.evaluate.batch_size,
-        options=downstream_options(),
+        options=EVAL_OPTIONS.downstream_json(),
         label="base",
         round=0,
         base="",
