@@ -16,8 +16,8 @@ run() {  # name, options-json, extra args
   echo "$name rc=$?"; grep -E "^rank|^step|^error|Error|wall" $OUT/$name.log | tail -4
   for dev in cuda cpu; do
     for bs in 1 64; do
-      python3 -m fedtune.evaluate --model /tmp/w/$name/model --data $W/raw --task sequence-classification \
-        --max-length 32 --batch-size $bs --device $dev --out /tmp/w/$name/eval-$dev-$bs.json 2>&1 | grep -E "accuracy|error" | tail -1
+      python3 -m fedtune.evaluate --model /tmp/w/$name/model --data $W/raw \
+        --options "{\"task\":\"sequence-classification\",\"max_length\":32,\"batch_size\":$bs}" --device $dev --out /tmp/w/$name/eval-$dev-$bs.json 2>&1 | grep -E "accuracy|error" | tail -1
     done
   done
 }
@@ -25,7 +25,7 @@ B='"micro_batch":16,"global_batch":16,"max_steps":60,"lr":0.003,"warmup_steps":3
 run fsdp_bf16 "{$B,\"precision\":\"bf16\",\"dtype\":\"bfloat16\"}"
 run ddp_fp32 "{$B,\"sharding\":\"none\"}"
 run ds2_fp16 "{$B,\"backend\":\"deepspeed\",\"zero_stage\":2,\"precision\":\"fp16\",\"dtype\":\"float16\"}"
-python3 -m fedtune.evaluate --model $W/model --data $W/raw --task sequence-classification --max-length 32 --device cuda --out /tmp/w/base.json 2>&1 | grep accuracy
+python3 -m fedtune.evaluate --model $W/model --data $W/raw --options '{"task":"sequence-classification","max_length":32}' --device cuda --out /tmp/w/base.json 2>&1 | grep accuracy
 python3 - <<'PY'
 import json
 for name in ["fsdp_bf16", "ddp_fp32", "ds2_fp16"]:
