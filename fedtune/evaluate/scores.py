@@ -301,13 +301,9 @@ def evaluate(
     import torch
 
     started = time.perf_counter()
-    task, max_length, stride, batch_size = (
-        options.task,
-        options.max_length,
-        options.stride,
-        options.batch_size,
-    )
-    max_documents, dtype, add_bos = options.max_documents, options.dtype, options.add_bos
+    task, max_length, stride = options.task, options.max_length, options.stride
+    batch_size, max_documents = options.batch_size, options.max_documents
+    dtype, add_bos = options.dtype, options.add_bos
     if task != CLASSIFICATION:
         windows(max_length, max_length, stride)  # option checks, before loading anything
     if batch_size < 1:
