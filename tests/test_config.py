@@ -372,6 +372,24 @@ def test_run_config_hands_out_each_sites_merged_options():
     assert run.evaluate.max_length == config["evaluate"]["max_length"]
 
 
+def test_the_scoring_jobs_options_carry_the_runs_task_and_bos_choice():
+    """RUN.evaluate is what a scoring job's --options holds: the evaluate section with the run's task and
+    tokenize.add_bos, so the CLI needs no flag for them; the JSON form gives the same object back."""
+    import dataclasses
+    import json
+
+    from fedtune.core.config import EvaluateOptions, build_run_config
+
+    config = demo()
+    config["tokenize"]["add_bos"] = False
+    run = build_run_config(config, base_dir=ROOT)
+    assert (run.evaluate.task, run.evaluate.add_bos) == ("causal-lm", False)
+    sent = run.evaluate.perplexity_json()
+    assert json.loads(sent)["add_bos"] is False and "tasks" not in json.loads(sent)
+    # The downstream and workflow keys are left out, so they come back as their defaults.
+    assert EvaluateOptions.from_json(sent) == dataclasses.replace(run.evaluate, tasks=(), cross_site=None)
+
+
 def test_remotes_and_the_wait_become_objects():
     """federation.remotes.<c>: a plain path is pulled; {path, transfer: push} is sent to. federation.wait:
     seconds or a number with a unit, 3 days by default."""

@@ -905,7 +905,10 @@ def build_run_config(config: dict, *, source: str = "config", base_dir: Path | N
     aggregate = _aggregate_options(config, model, sites, source)
     # The default decided, so that the run's settings.json (and data_read_on) say it.
     config["evaluate"]["cross_site"] = resolve_cross_site(config)
-    evaluate = EvaluateOptions.from_mapping(config["evaluate"], source=source)
+    # With the run's task and BOS choice: a scoring job's --options then holds every setting it reads.
+    evaluate = EvaluateOptions.from_mapping(config["evaluate"], source=source).for_run(
+        config["task"], tokenize.add_bos, tokenize.block_size
+    )
     aggregate_on = federation["aggregate_on"] or next(iter(sites.values())).cluster
     remotes = _remotes(federation)
     _check_cluster(config, sites, aggregate_on, remotes, source)

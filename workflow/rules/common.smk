@@ -610,9 +610,9 @@ def task_table(name, ext):
     return run_path("report", "tasks", f"{name}.{ext}")
 
 
-# The scoring jobs' --options: every setting, the run's task and BOS choice included (the text is
-# built as the tokenize stage built it). The perplexity jobs' JSON leaves out the downstream tasks' keys.
-EVAL_OPTIONS = RUN.evaluate.for_run(TASK, RUN.tokenize.add_bos, RUN.tokenize.block_size)
+# The scoring jobs' --options: every setting, the run's task and BOS choice included (build_run_config's
+# EvaluateOptions.for_run). The perplexity jobs' JSON leaves out the downstream tasks' keys.
+EVAL_OPTIONS = RUN.evaluate
 
 
 def task_args():
