@@ -3,14 +3,15 @@
 In the workflow (evaluate.tasks), two steps:
 
     python -m fedtune.download tasks --tasks ENTRY ... --out results/<run>/tasks       (login node)
-    python -m fedtune.evaluate.downstream --model DIR --tasks-dir results/<run>/tasks \\
+    python -m fedtune.evaluate.downstream --model DIR --tasks-dir results/<run>/tasks --options JSON \\
         --label aggregate --round 3 --out results/<run>/round-3/eval/tasks/aggregate.csv   (offline)
 
 `fedtune.download.tasks.prepare` (the first) resolves the entries (a task YAML, a task shipped in workflow/tasks/, or a name
 of lm-eval's registry), copies each task YAML and its local data files into the run folder, loads every
 task once, which fetches a hub data set into the run folder's datasets cache (hf-datasets/), and records
 what it did in tasks.json. The scoring step reads only that folder, offline (fedtune.core.offline), so the
-data a score was computed on stay with the run.
+data a score was computed on stay with the run. --options is the evaluate section as JSON
+(EvaluateOptions.downstream_json: batch_size, dtype, task_limit, num_fewshot); it holds every setting.
 
 By hand, without the workflow's folder:
 
