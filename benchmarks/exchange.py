@@ -7,8 +7,9 @@ bytes: what one site sends per round in each mode, from the model's tensor shape
 value of each part, scales and the update's header included (`fedtune.core.exchange.part_shapes`, the
 same function the writer plans its file with), for the demo (its downloaded base model), SmolLM2-135M
 and Llama-2-7B (their configs' shapes, a model built on the meta device: nothing is downloaded). A round
-moves this once per site to the aggregating cluster, and the aggregate once per other cluster back
-(uncompressed today: the model in its dtype).
+moves this once per site to the aggregating cluster, and the aggregate once per other cluster back, as
+an update against the previous aggregate of the same shapes, so the same bytes ("round, up and down":
+one remote site and one other cluster; full: the model in its dtype both ways).
 
 speed: benchmarks/aggregate.py's two synthetic fp16 checkpoints (1.375 GB each) and a third as the
 round's start; each site's update is compressed (int8, block 64; the site's side, timed), then, each
@@ -127,6 +128,8 @@ def bytes_table(demo_model: Path | None) -> dict:
         for mode, options in MODES.items():
             row[mode] = mode_bytes(shapes, dtype, options)
         row["ratios to bf16"] = {mode: round(row[mode] / bf16, 4) for mode in MODES}
+        # The aggregate's update has the model's shapes and encodings: a site's size, back the other way.
+        row["round, up and down"] = {"full model": 2 * full, **{mode: 2 * row[mode] for mode in MODES}}
         table[label] = row
     return table
 

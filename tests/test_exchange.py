@@ -254,3 +254,77 @@ def test_the_report_counts_the_update_as_what_the_site_sent(tmp_path):
     compress(model, start, model.parent / "update", ExchangeOptions(dtype="int4"))
     assert sent_folder(model) == model.parent / "update"
     assert folder_bytes(sent_folder(model)) < folder_bytes(model) + 8192
+
+
+def test_the_aggregate_goes_back_as_an_update_rebuilt_bit_for_bit_on_every_cluster(tmp_path):
+    """Round 2's merged model compressed against round 1's aggregate (with the server's residual): a
+    site's copy of round 1's aggregate and the aggregating cluster's own rebuild the same bits, which
+    are the next round's start there too (decode_aggregate); what compression dropped is the residual,
+    exactly; a previous aggregate the update was not taken against is refused, and nothing written."""
+    previous, merged = start_and_site(tmp_path, 0)
+    copy = tmp_path / "karo" / "round-1" / "aggregate" / "model"
+    shutil.copytree(previous, copy)
+    options = ExchangeOptions(dtype="int8")
+    update, residual = tmp_path / "round-2" / "aggregate" / "update", tmp_path / "round-2" / "residual"
+    compress(merged, previous, update, options, residual_out=residual, label="the aggregate of round 2")
+    decode_folder(update, previous, tmp_path / "leo-next")
+    decode_folder(update, copy, tmp_path / "karo-next")
+    leo, karo = (
+        {p.name: p.read_bytes() for p in (tmp_path / where).glob("*.safetensors")}
+        for where in ("leo-next", "karo-next")
+    )
+    assert leo and leo == karo
+    assert json.loads((tmp_path / "karo-next" / "training.json").read_text()) == {"site": "a"}
+    rebuilt, wanted, starts = read_output(tmp_path / "leo-next"), read_output(merged), read_output(previous)
+    kept = load_file(residual / "model.safetensors")
+    changed = False
+    for name, value in wanted.items():
+        if not value.is_floating_point():
+            assert torch.equal(rebuilt[name], value)
+            continue
+        meant = value.float() - starts[name].float()
+        sent = rebuilt[name].float() - starts[name].float()
+        torch.testing.assert_close(kept[name], meant - sent, rtol=0, atol=1e-6)
+        changed |= not torch.equal(rebuilt[name], value)
+    assert changed  # int8 drops something: the merged model itself would not be the sites' start
+    other, _ = start_and_site(tmp_path, 1)
+    with pytest.raises(exchange.ExchangeError, match="cannot be rebuilt from this start model"):
+        decode_folder(update, other, tmp_path / "wrong")
+    assert not (tmp_path / "wrong").exists()
+
+
+def test_dry_run_with_int8_the_other_cluster_fetches_the_aggregates_update(tmp_path, tiny_model_dir):
+    """Two clusters, int8: leo merges into round-<r>/aggregate/merged, compresses it against the round's
+    start (with the previous round's residual) and marks the update complete; karo fetches the update,
+    never the model, and both rebuild the aggregate from it (decode_aggregate)."""
+    import re
+
+    from .test_data_stays import two_clusters
+    from .workflow_harness import dry_run, write_config
+
+    plans = {}
+    for cluster in ("leo", "karo"):
+        workdir = tmp_path / cluster
+        workdir.mkdir()
+        config = two_clusters(private=(), aggregate_on="leo", rounds=2, exchange={"dtype": "int8"})
+        config.update(cluster=cluster, model={"source": "local", "path": str(tiny_model_dir)})
+        write_config(workdir, config)
+        plans[cluster] = dry_run(workdir)
+    leo, karo = plans["leo"], plans["karo"]
+    fetched = {re.search(r"--out \S*results/demo/(\S+)", job.shell).group(1) for job in karo
+               if job.name == "fetch_aggregate"}  # fmt: skip
+    assert fetched == {"round-1/aggregate/update", "round-2/aggregate/update"}
+    assert {job.wildcards["round"] for job in karo if job.name == "decode_aggregate"} == {"1", "2"}
+    assert not [job for job in karo if job.name in ("aggregate", "compress_aggregate")]
+    merges = {job.wildcards["round"]: job.shell for job in leo if job.name == "aggregate"}
+    assert "round-2/aggregate/merged" in merges["2"] and "--start" in merges["2"]
+    packs = {job.wildcards["round"]: job.shell for job in leo if job.name == "compress_aggregate"}
+    assert set(packs) == {"1", "2"}
+    assert re.search(r"--model \S*round-2/aggregate/merged --start \S*round-1/aggregate/model", packs["2"])
+    assert "--residual-in" in packs["2"] and "round-1/aggregate/residual" in packs["2"]
+    assert "--residual-in" not in packs["1"] and "--residual-out" in packs["1"]
+    decodes = {job.wildcards["round"]: job.shell for job in leo if job.name == "decode_aggregate"}
+    assert re.search(r"--update \S*round-2/aggregate/update --start \S*round-1/aggregate/model", decodes["2"])
+    marked = {job.wildcards["item"] for job in leo if job.name == "mark_complete"}
+    assert {"round-1/aggregate/update", "round-2/aggregate/update"} <= marked
+    assert not {"round-1/aggregate/model", "round-2/aggregate/model"} & marked

@@ -180,8 +180,9 @@ def test_adapters_three_rounds_both_pulling(tmp_path, ssh):
 def test_int8_exchange_with_error_feedback_both_pulling(tmp_path):
     """federation.exchange int8 with error feedback: beta's compressed update crosses instead of its model
     (each cluster pulls from the other's folder), Leonardo merges it tensor by tensor against the start
-    model and rebuilds beta's model for its evaluation; the final aggregate is bit for bit a one-cluster
-    run's with the same exchange."""
+    model and rebuilds beta's model for its evaluation; each aggregate goes back as an update against the
+    previous one, which Karolina rebuilds into Leonardo's bits; the final aggregate is bit for bit a
+    one-cluster run's with the same exchange."""
     config = lean_config()
     config["federation"] = {**config["federation"], "exchange": {"dtype": "int8", "error_feedback": True}}
     leonardo_run = tmp_path / "leo" / "results" / "demo"
@@ -202,6 +203,17 @@ def test_int8_exchange_with_error_feedback_both_pulling(tmp_path):
         record = json.loads((leonardo_run / f"round-{r}/aggregate/model/aggregate.json").read_text())
         beta = next(entry for entry in record["inputs"] if entry["site"] == "beta")
         assert beta["model_dir"].endswith(f"round-{r}/beta/update") and record["start"]
+        # The aggregate went back as its update, rebuilt at Karolina into the model Leonardo goes on from.
+        marker = (leonardo_run / f"round-{r}/aggregate/update.COMPLETE").read_text()
+        assert "  update/model.safetensors\n" in marker
+        assert not (leonardo_run / f"round-{r}/aggregate/model.COMPLETE").exists()
+        assert (leonardo_run / f"round-{r}/aggregate/residual/model.safetensors").is_file()
+        assert weights(karolina, r) == weights(leonardo, r), r
+        merged = {
+            p.name: p.read_bytes()
+            for p in (leonardo_run / f"round-{r}/aggregate/merged").glob("*.safetensors")
+        }
+        assert merged and merged != weights(leonardo, r)  # what the sites got is the rebuilt one
     sent = json.loads((karolina_run / f"round-{ROUNDS}/beta/update/update.json").read_text())
     assert sent["update_bytes"] < 0.3 * sent["model_bytes"]  # int8 of a float32 model, scales included
     # Beta's model rebuilt at Leonardo for its evaluation of the last round.

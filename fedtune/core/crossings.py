@@ -1,8 +1,9 @@
 """What crosses between the clusters of a federation, who makes it and who receives it: each remote site's
 manifest and round models go to `federation.aggregate_on`, each round's aggregate (its adapter with
-train.adapter) to the other clusters for their next round, and with evaluate.cross_site none the last
-round's too and each score made on another cluster (fedtune.core.scoring) back to the aggregating cluster.
-The workflow's transfer rules (common.smk) and `fedtune.report.status` read the same list."""
+train.adapter, its update against the previous aggregate with federation.exchange compressed) to the
+other clusters for their next round, and with evaluate.cross_site none the last round's too and each score
+made on another cluster (fedtune.core.scoring) back to the aggregating cluster. The workflow's transfer
+rules (common.smk) and `fedtune.report.status` read the same list."""
 
 from __future__ import annotations
 
@@ -26,8 +27,11 @@ def uses_adapters(run: RunConfig) -> bool:
 
 
 def aggregate_item(run: RunConfig) -> str:
-    """The folder of round-<r>/aggregate/ that travels: the adapter with train.adapter, else the model."""
-    return "adapter" if uses_adapters(run) else "model"
+    """The folder of round-<r>/aggregate/ that travels: the adapter with train.adapter, the compressed
+    update against the previous aggregate (federation.exchange), else the model."""
+    if uses_adapters(run):
+        return "adapter"
+    return "update" if run.exchange.compressed else "model"
 
 
 def site_item(run: RunConfig) -> str:

@@ -20,7 +20,8 @@ if aggregates_here() and not ADAPTERS:
             start=lambda wc: init_model_dir(wc.round),
             server_state=server_state_in,
         output:
-            model=directory(aggregate_model_dir("{round}")),
+            # federation.exchange compressed: the merged model, before it is compressed to go back.
+            model=directory(merge_output_dir("{round}")),
             server_state=directory(server_state_dir("{round}")),
         log:
             log_path("aggregate", "round-{round}"),

@@ -446,6 +446,38 @@ RESIDUAL_OUTPUT = (
 )
 
 
+# The aggregate goes back compressed too, as an update against the previous aggregate (round 1: the base
+# model), which every cluster holds: the merge writes round-<r>/aggregate/merged, compress_aggregate its
+# update, and decode_aggregate rebuilds round-<r>/aggregate/model from it on every cluster, the aggregating
+# one included, so that the next round starts from the same bits everywhere (exchange.smk).
+def aggregate_update_dir(round):
+    return run_path(f"round-{round}", "aggregate", "update")
+
+
+def aggregate_residual_dir(round):
+    return run_path(f"round-{round}", "aggregate", "residual")
+
+
+def merge_output_dir(round):
+    """Where the merge writes the round's aggregate: as it is (dtype full), or to be compressed."""
+    if COMPRESSED:
+        return run_path(f"round-{round}", "aggregate", "merged")
+    return aggregate_model_dir(round)
+
+
+AGGREGATE_RESIDUAL_OUTPUT = (
+    {"residual_out": directory(aggregate_residual_dir("{round}"))}
+    if EXCHANGE.keeps_residual
+    else {}
+)
+
+
+def previous_aggregate_residual(wildcards):
+    if not EXCHANGE.keeps_residual or int(wildcards.round) == 1:
+        return []
+    return [aggregate_residual_dir(int(wildcards.round) - 1)]
+
+
 def previous_residual(wildcards):
     if not EXCHANGE.keeps_residual or int(wildcards.round) == 1:
         return []
@@ -675,7 +707,9 @@ def remote_path(cluster, target):
     return remote.path.rstrip("/")
 
 
-AGGREGATE_ITEM = "adapter" if ADAPTERS else "model"
+# The aggregate that crosses: its adapter (train.adapter), its compressed update (federation.exchange), or
+# the model.
+AGGREGATE_ITEM = "adapter" if ADAPTERS else "update" if COMPRESSED else "model"
 # What of a site's round crosses: its compressed update (federation.exchange) or its model folder.
 SITE_ITEM = "update" if COMPRESSED else "model"
 

@@ -3,7 +3,8 @@
 # one-cluster run merges the same bytes as a federation. The site's cluster compresses it after training
 # (compress_update), keeping what was not sent for its next round (the residual, error feedback); the
 # merge rebuilds each tensor against the start model (aggregate.smk); where a remote site's model itself
-# is needed (its evaluation), decode_site_model rebuilds it from the update that arrived.
+# is needed (its evaluation), decode_site_model rebuilds it from the update that arrived. The aggregate
+# goes back as an update too (compress_aggregate, decode_aggregate, below).
 if COMPRESSED:
 
     rule compress_update:
@@ -62,3 +63,66 @@ if COMPRESSED:
             shell:
                 "python -m fedtune.core.updates decode --update {input.site_update:q} --start {input.start:q}"
                 " --label {params.label:q} --out {output:q} > {log:q} 2>&1"
+
+    # The aggregate goes back the same way, as an update against the previous aggregate (round 1: the base
+    # model), which every cluster holds. The aggregating cluster keeps its own residual with error feedback
+    # (the server-side error compensation of DoubleSqueeze, Tang et al., ICML 2019): what this round's
+    # aggregate update did not send is added to the next one's.
+    if aggregates_here():
+
+        rule compress_aggregate:
+            input:
+                model=lambda wc: merge_output_dir(wc.round),
+                start=lambda wc: init_model_dir(wc.round),
+                residual=previous_aggregate_residual,
+            output:
+                **AGGREGATE_RESIDUAL_OUTPUT,
+                aggregate_update=directory(aggregate_update_dir("{round}")),
+            log:
+                log_path("compress_aggregate", "round-{round}"),
+            priority: 1
+            group:
+                "round-{round}"
+            conda:
+                CONDA_ENV
+            container:
+                CONTAINER
+            resources:
+                mem_mb=4000,
+                runtime=60,
+            params:
+                options=EXCHANGE.to_json(),
+                residual=residual_args,
+                label=lambda wc: f"the aggregate of round {wc.round}",
+            shell:
+                "python -m fedtune.core.updates compress --model {input.model:q} --start {input.start:q}"
+                " --options {params.options:q} {params.residual} --label {params.label:q}"
+                " --out {output.aggregate_update:q} > {log:q} 2>&1"
+
+    # Every cluster, the aggregating one included, continues from the aggregate rebuilt from its update,
+    # not from the merged model: the same bytes decoded against the same previous aggregate (its sha256
+    # checked against the update's header) give the same bits everywhere, where the merged model would
+    # drift from the sites' copies by what compression dropped.
+    rule decode_aggregate:
+        input:
+            aggregate_update=aggregate_update_dir("{round}"),
+            start=lambda wc: init_model_dir(wc.round),
+        output:
+            directory(aggregate_model_dir("{round}")),
+        log:
+            log_path("decode_aggregate", "round-{round}"),
+        priority: 1
+        group:
+            "round-{round}"
+        conda:
+            CONDA_ENV
+        container:
+            CONTAINER
+        resources:
+            mem_mb=4000,
+            runtime=60,
+        params:
+            label=lambda wc: f"the aggregate update of round {wc.round}",
+        shell:
+            "python -m fedtune.core.updates decode --update {input.aggregate_update:q} --start {input.start:q}"
+            " --label {params.label:q} --out {output:q} > {log:q} 2>&1"

@@ -51,7 +51,8 @@ use rule fetch_manifest as fetch_site_model with:
 
 if not aggregates_here():
 
-    # With adapters only the aggregate adapter travels; rule merge_adapter makes the model here.
+    # With adapters only the aggregate adapter travels; rule merge_adapter makes the model here. With
+    # federation.exchange compressed its update does; rule decode_aggregate makes the model here.
     # After this cluster's own models of the round, which the aggregate needs.
     use rule fetch_manifest as fetch_aggregate with:
         input:
@@ -60,7 +61,11 @@ if not aggregates_here():
             directory(
                 aggregate_adapter_dir("{round}")
                 if ADAPTERS
-                else aggregate_model_dir("{round}")
+                else (
+                    aggregate_update_dir("{round}")
+                    if COMPRESSED
+                    else aggregate_model_dir("{round}")
+                )
             ),
         log:
             log_path("fetch_aggregate", "{round}"),
