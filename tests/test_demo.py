@@ -200,6 +200,7 @@ def test_the_html_report_shows_tables_figures_and_settings_in_a_browser(demo, tm
     driven = report_browser.driven_copy(report, tmp_path / "report.html")
     figures = [("Perplexity", "perplexity.png"), ("Perplexity", "rounds.png"), ("Training", "loss.png")]
     tables = [("Perplexity", "perplexity.html"), ("Training", "training.html"), ("Settings", "settings.html")]
+    tables.append(("Cost", "cost.html"))
     if DOWNSTREAM:
         tables.append(("Downstream tasks", f"{TASK}.html"))
     shown = report_browser.show(driven, tables + figures)
@@ -216,6 +217,7 @@ def test_the_html_report_shows_tables_figures_and_settings_in_a_browser(demo, tm
         "Training",
         "Settings",
         "Federation gap",
+        "Cost",
     } | ({"Downstream tasks"} if DOWNSTREAM else set())
     assert (
         "Perplexity (exp of the mean negative log-likelihood" in shown["perplexity.html"]["info"]
@@ -247,6 +249,12 @@ def test_the_html_report_shows_tables_figures_and_settings_in_a_browser(demo, tm
     assert settings["federation.rounds"] == str(ROUNDS) and settings["aggregate.method"] == "fedavg"
     assert settings["aggregate.server_optimizer.name"] == "fedadam"
     assert settings["sites.beta.prompt_template"] == "Scrivi un bollettino: {text}"
+
+    # What the run cost: the report_cost table, a row per round and cluster.
+    rows = rendered("cost.html")
+    assert (
+        rows[0][:2] == ["round", "cluster"] and len([r for r in rows[1:] if r and r[0].isdigit()]) >= ROUNDS
+    )
 
     if DOWNSTREAM:
         # The downstream task's table, with its caption.

@@ -63,7 +63,9 @@ def test_smoke_run_reports_every_backend(tmp_path):
     peak = 0.1  # TFLOPS, so that the MFU column is computed on CPU
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "gpu_training.py"), "--smoke", "--peak-tflops", str(peak),
-         "--checkpoint-every", "2", "--out", str(out), "--runs", ",".join(SMOKE_RUNS), "--budget-s", "560"],
+         "--checkpoint-every", "2", "--out", str(out), "--runs", ",".join(SMOKE_RUNS), "--budget-s", "560",
+         # Micro batch 2 x 4: the micro-batch variants (x2, x4) then see the same rows per step.
+         "--accumulation", "4"],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
