@@ -99,17 +99,19 @@ def stage_times(workdir: Path) -> dict:
             for name, (jobs, total, first, last) in spans.items()}  # fmt: skip
 
 
+def evaluation_files(run: Path) -> list[Path]:
+    """Every evaluation's result: the base model's, each round's models' and the pooled model's."""
+    return [
+        *run.glob("eval/base/*.json"),
+        *run.glob("round-*/eval/*/*.json"),
+        *run.glob("pooled/eval/*.json"),
+    ]
+
+
 def speeds(run: Path) -> dict:
     """Train tokens/s of each training (its training.json) and evaluate tokens/s of each evaluation."""
     train = [json.loads(p.read_text()).get("tokens_per_s") for p in run.glob("**/model/training.json")]
-    evals = [
-        json.loads(p.read_text())
-        for p in [
-            *run.glob("eval/base/*.json"),
-            *run.glob("round-*/eval/*/*.json"),
-            *run.glob("pooled/eval/*.json"),
-        ]
-    ]
+    evals = [json.loads(p.read_text()) for p in evaluation_files(run)]
     evals = [e for e in evals if e.get("tokens") and e.get("wall_time_s")]
     return {
         "train_tokens_per_s": sorted(round(t) for t in train if t),
@@ -125,11 +127,7 @@ def job_times(run: Path) -> dict:
     pooled = run / "pooled" / "model" / "training.json"
     if pooled.is_file():
         times["train (pooled)"] = [json.loads(pooled.read_text())["wall_time_s"]]
-    for path in [
-        *run.glob("eval/base/*.json"),
-        *run.glob("round-*/eval/*/*.json"),
-        *run.glob("pooled/eval/*.json"),
-    ]:
+    for path in evaluation_files(run):
         times.setdefault("evaluate (model, site)", []).append(json.loads(path.read_text())["wall_time_s"])
     return {kind: {"jobs": len(values), "mean_s": round(sum(values) / len(values), 1), "sum_s": round(sum(values), 1)}
             for kind, values in sorted(times.items())}  # fmt: skip
