@@ -109,7 +109,7 @@ def _gloo_group():
 
 def save(root: Path, step: int, backend, trainer: dict, loss_log: str, job, keep: int) -> Path:
     """Write checkpoint `step` (collective: every rank calls it) and keep the newest `keep`. FSDP's state
-    is written in the background; the run's last checkpoint (step == total_steps) is waited for."""
+    is written in the background, except the run's last checkpoint (step == total_steps)."""
     wait()
     started = time.perf_counter()
     final = root / name(step)
@@ -119,7 +119,10 @@ def save(root: Path, step: int, backend, trainer: dict, loss_log: str, job, keep
         (tmp / "rng").mkdir(parents=True)
     distributed.barrier()
     future = None
-    if _writes_async(backend):
+    last = step >= trainer.get("total_steps", step + 1)
+    # The run's last checkpoint is written in the foreground (as torchtitan does): it is waited for at
+    # once anyway, and the export's gather that follows then never meets the writer's thread.
+    if _writes_async(backend) and not last:
         future = backend.save_async(tmp, _gloo_group())
     else:
         backend.save(tmp)
@@ -129,7 +132,7 @@ def save(root: Path, step: int, backend, trainer: dict, loss_log: str, job, keep
         write_json(tmp / TRAINER_STATE, {**trainer, "extra": backend.extra_state()})
     global _in_flight
     _in_flight = _InFlight(future, tmp, final, keep, job, started)
-    if future is None or step >= trainer.get("total_steps", step + 1):
+    if future is None:
         wait()
     elif job.is_main:
         print(
