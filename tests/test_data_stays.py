@@ -162,21 +162,30 @@ def test_by_default_no_cluster_reads_another_clusters_text_and_the_scores_cross(
         assert job.name == "download_model" or "data/beta/raw" not in job.shell, (job.name, job.shell)
     scored = {(job.name, str(job.wildcards.get("round")), job.wildcards.get("model")) for job in karo
               if job.name.startswith("evaluate")}  # fmt: skip
-    assert scored == {("evaluate_base", "None", None), ("evaluate_round", "1", "aggregate"),
-                      ("evaluate_round", "2", "aggregate"), ("evaluate_round_own", "2", "beta")}  # fmt: skip
+    # Round 1's aggregate is scored by beta's training of round 2, before it trains (train_scoring).
+    assert scored == {("evaluate_base", "None", None), ("evaluate_round", "2", "aggregate"),
+                      ("evaluate_round_own", "2", "beta")}  # fmt: skip
     for job in karo:
-        if job.name.startswith("evaluate"):
+        if job.name.startswith("evaluate") or job.name == "train_scoring":
             assert '"site":"beta"' in job.shell and '"site":"alpha"' not in job.shell, job.shell
+    assert '"out":"results/demo/round-2/beta/before/aggregate.json"' in next(
+        job.shell for job in karo if job.name == "train_scoring"
+    )
     marked = {job.wildcards["item"] for job in karo if job.name == "mark_complete"}
-    scores = {"eval/base/beta.json", "round-1/eval/aggregate/beta.json", "round-2/eval/aggregate/beta.json",
-              "round-2/eval/beta/beta.json"}  # fmt: skip
-    assert scores <= marked and marked - scores == {"data/beta/manifest.json", "round-1/beta/model",
-                                                    "round-2/beta/model"}  # fmt: skip
+    made = {"eval/base/beta.json", "round-2/beta/before/aggregate.json", "round-2/eval/aggregate/beta.json",
+            "round-2/eval/beta/beta.json"}  # fmt: skip
+    assert made <= marked and marked - made == {"data/beta/manifest.json", "round-1/beta/model",
+                                                "round-2/beta/model"}  # fmt: skip
     # The last round's aggregate goes to karo too, to be scored there.
     assert {job.wildcards["round"] for job in karo if job.name == "fetch_aggregate"} == {"1", "2"}
     fetched = {re.search(r"--out \S*results/demo/(\S+)", job.shell).group(1) for job in leo
                if job.name in ("fetch_score", "fetch_base_score")}  # fmt: skip
-    assert fetched == scores
+    # ... each into its usual place in leo's run folder, where the report reads it.
+    assert fetched == {"eval/base/beta.json", "round-1/eval/aggregate/beta.json", "round-2/eval/aggregate/beta.json",
+                       "round-2/eval/beta/beta.json"}  # fmt: skip
+    assert "outbox/round-2/beta/before/aggregate.json " in next(
+        job.shell for job in leo if job.name == "fetch_score" and job.wildcards["round"] == "1"
+    )
     assert {(str(job.wildcards.get("round")), job.wildcards.get("model")) for job in leo
             if job.name.startswith("evaluate")} == {("None", None), ("1", "aggregate"), ("2", "aggregate"),
                                                     ("2", "alpha")}  # fmt: skip

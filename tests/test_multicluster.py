@@ -156,6 +156,8 @@ def test_adapters_three_rounds_both_pulling(tmp_path, ssh):
     config = lean_config()
     config["train"] = {**config["train"], "adapter": {"r": 4}}
     config["aggregate"] = {"adapter_merge": "exact"}
+    # Each round's aggregate scored: on beta's text by Karolina's next training, after its merge.
+    config["evaluate"] = {**config["evaluate"], "intermediate": "aggregate"}
     leonardo_run = tmp_path / "leo" / "results" / "demo"
     karolina_run = tmp_path / "karo" / "results" / "demo"
     leonardo, karolina = two_clusters(
@@ -172,6 +174,11 @@ def test_adapters_three_rounds_both_pulling(tmp_path, ssh):
         merged = {p.name: p.read_bytes() for p in folder.glob("*.safetensors")}
         assert merged and merged == weights(leonardo, r - 1), r
     assert not (karolina_run / "round-1" / "aggregate" / "model").exists()  # no merge job of its own
+    # The merged start scored there, as Leonardo's merged aggregate, and sent to the report.
+    for r in range(1, ROUNDS):
+        score = json.loads((leonardo_run / f"round-{r}/eval/aggregate/beta.json").read_text())
+        assert score == json.loads((karolina_run / f"round-{r + 1}/beta/before/aggregate.json").read_text())
+        assert score["model"] == "aggregate" and score["round"] == r, score
     assert (leonardo_run / f"round-{ROUNDS - 1}/aggregate/adapter.COMPLETE").is_file()
     assert_confined(ssh, karolina_run)
 
@@ -266,13 +273,13 @@ def test_a_private_sites_text_stays_on_its_cluster_and_only_scores_cross(tmp_pat
     """beta's text is private (shareable false, local files) and trains on karo; leo aggregates. karo
     scores the base model, each aggregate and beta's model on beta's text and sends back the scores (leo
     pulls them over SSH from karo's exchange folder): no byte of beta's text reaches leo's folder, caches
-    or logs, and the report's perplexity matrix is a one-cluster run's to the last digit."""
+    or logs, and the report's perplexity matrix is a one-cluster run's to the last digit. Round 1's models
+    are scored on karo by beta's training of round 2 before it trains (one Slurm job per round there), the
+    last round's aggregate, which crosses only for this, by an evaluation job."""
     config = lean_config()
     config["model"] = {"source": "local", "path": str(tiny_model_dir)}
-    # One round (its aggregate is the last, which crosses only to be scored at home); the dry runs in
-    # tests/test_data_stays.py check the rounds before it.
-    config["federation"] = {**config["federation"], "rounds": 1}
-    config["evaluate"] = {**config["evaluate"], "cross_site": "none"}
+    config["federation"] = {**config["federation"], "rounds": 2}
+    config["evaluate"] = {**config["evaluate"], "cross_site": "none", "intermediate": "all"}
     beta = config["sites"]["beta"]["dataset"]
     beta.update(shareable=False, data_files=plant_marker(tmp_path / "beta-data"))
     leonardo_run = tmp_path / "leo" / "results" / "demo"
@@ -287,13 +294,24 @@ def test_a_private_sites_text_stays_on_its_cluster_and_only_scores_cross(tmp_pat
         (workdir / "tmp").mkdir()
         processes.append((start(workdir, env), workdir))
     logs = {workdir.name: finish(process, workdir) for process, workdir in processes}
-    assert "fetch_score" in logs["leo"] and "evaluate_round_own" in logs["karo"]
+    assert (
+        "fetch_score" in logs["leo"]
+        and "evaluate_round_own" in logs["karo"]
+        and "train_scoring" in logs["karo"]
+    )
 
     assert not holding(leonardo, MARKER)
     assert holding(karolina_run / "data" / "beta" / "raw", MARKER)  # (the search finds it where it is)
     assert not (leonardo_run / "data" / "beta" / "raw").exists()
-    for score in ("eval/base/beta.json", "round-1/eval/aggregate/beta.json", "round-1/eval/beta/beta.json"):
-        assert (leonardo_run / score).read_bytes() == (karolina_run / score).read_bytes(), score
+    made_on_karo = {
+        "eval/base/beta.json": "eval/base/beta.json",
+        "round-1/eval/aggregate/beta.json": "round-2/beta/before/aggregate.json",
+        "round-1/eval/beta/beta.json": "round-2/beta/before/site.json",
+        "round-2/eval/aggregate/beta.json": "round-2/eval/aggregate/beta.json",
+        "round-2/eval/beta/beta.json": "round-2/eval/beta/beta.json",
+    }
+    for score, made in made_on_karo.items():
+        assert (leonardo_run / score).read_bytes() == (karolina_run / made).read_bytes(), score
 
     workdir = tmp_path / "one-cluster"
     workdir.mkdir()

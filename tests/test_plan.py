@@ -178,15 +178,14 @@ def test_karolina_dry_run_counts_its_tokenize_groups_once_and_fetches_in_the_con
     for rule, n in login.items():
         assert f"{n} {rule}" in karolina["login node"], (rule, karolina)
     groups = 2 * shards // 8
-    # Before the rounds the base model's score on cs's text; each round its training and one job that
-    # scores the round's aggregate and cs's model on cs's text (group round-<r>).
+    # Before the rounds the base model's score on cs's text; each round cs's training, which first scores
+    # the previous round's aggregate and cs's previous model on cs's text; after the last round one job
+    # that scores its aggregate and cs's model (group round-<r>).
     assert karolina["Slurm jobs"] == (
-        f"{groups + 1 + 2 * expect['rounds']} in all; before the rounds {groups + 1} ({groups} group tokenize "
+        f"{groups + 1 + expect['rounds'] + 1} in all; before the rounds {groups + 1} ({groups} group tokenize "
         "(8 tokenize), 1 evaluate_base)"
     ), karolina
-    assert karolina["Slurm jobs per round"] == (
-        "2, 2 (round 1: 1 group round-1 (1 evaluate_round, 1 evaluate_round_own), 1 train)"
-    ), karolina
+    assert karolina["Slurm jobs per round"] == "1, 2 (round 1: 1 train)", karolina
     assert karolina["GPU-hours requested by the trainings"].startswith(f"{expect['gpu_hours']:,.0f} ("), (
         karolina
     )

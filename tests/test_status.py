@@ -168,8 +168,14 @@ def finished_cluster_tree(tmp_path, transfer: str, cross_site: str = "text_to_mo
         (model / "loss.csv").write_text(loss_log(30))
     items = ["data/beta/manifest.json"] + [f"round-{r}/beta/model" for r in (1, 2, 3)]
     if cross_site == "none":
-        items += ["eval/base/beta.json"] + [f"round-{r}/eval/aggregate/beta.json" for r in (1, 2, 3)]
-        items.append("round-3/eval/beta/beta.json")
+        # Rounds 1 and 2's aggregates scored by beta's next training before it trains, round 3's models
+        # by an evaluation job.
+        items += [
+            "eval/base/beta.json",
+            "round-2/beta/before/aggregate.json",
+            "round-3/beta/before/aggregate.json",
+        ]
+        items += ["round-3/eval/aggregate/beta.json", "round-3/eval/beta/beta.json"]
     for item in items:
         record = run / (f"sent/leo/{item}.COMPLETE" if transfer == "push" else f"{item}.COMPLETE")
         record.parent.mkdir(parents=True, exist_ok=True)
@@ -226,8 +232,11 @@ def test_status_on_the_cluster_where_the_models_do_not_meet(tmp_path, transfer):
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     sent = [line.split(":")[1] for line in lines if line.startswith("sent: ") and "score" in line]
+    # Rounds 1 and 2's aggregates are scored by beta's next training (intermediate aggregate), the last
+    # round's models by an evaluation job.
+    made = {1: "round-2/beta/before/aggregate.json", 2: "round-3/beta/before/aggregate.json"}
     assert sent == [" the score of base on beta's text (eval/base/beta.json)"] + [
-        f" the score of {model} on beta's text (round-{r}/eval/{model}/beta.json) of round {r}"
+        f" the score of {model} on beta's text ({made.get(r) or f'round-{r}/eval/{model}/beta.json'}) of round {r}"
         for r, model in ((1, "aggregate"), (2, "aggregate"), (3, "beta"), (3, "aggregate"))
     ], lines
     assert all(f": {verb} leo at " in line for line in lines if line.startswith("sent: "))

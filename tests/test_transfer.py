@@ -16,7 +16,15 @@ from fedtune.core import transfer
 from fedtune.core.transfer import TransferError, fetch, mark, push, receive
 
 from .ssh_harness import start_sshd, stop_sshd
-from .workflow_harness import demo_config, dry_run, job_counts, slurm_jobs_per_round, snakemake, write_config
+from .workflow_harness import (
+    demo_config,
+    dry_run,
+    job_counts,
+    planned_jobs,
+    slurm_jobs_per_round,
+    snakemake,
+    write_config,
+)
 
 
 def marked(folder):
@@ -219,8 +227,9 @@ def test_with_adapters_only_adapters_cross_and_each_cluster_merges_the_aggregate
 @pytest.mark.parametrize("adapters", [False, True])
 def test_the_dry_run_prints_the_slurm_jobs_per_round_it_plans(tmp_path, adapters):
     """With a Slurm profile: S trainings + 1 merge-and-evaluate job a round where the models meet; elsewhere
-    the trainings (with adapters too: the trainings merge their start model) + 1 job that scores the
-    round's models on the sites' text there (evaluate.cross_site none); the printed line agrees."""
+    one job per site and round (evaluate.cross_site none): the training, which first scores the previous
+    round's aggregate and the site's previous model on the site's text (with adapters after merging its
+    start model), and after the last round one job that scores its models; the printed line agrees."""
     config = demo_config(cluster="leo")
     config["sites"]["alpha"]["cluster"] = "leo"
     config["sites"]["beta"]["cluster"] = "karo"
@@ -235,12 +244,32 @@ def test_the_dry_run_prints_the_slurm_jobs_per_round_it_plans(tmp_path, adapters
         config["aggregate"] = {"adapter_merge": "exact"}
     else:
         config["aggregate"] = {**config["aggregate"], "compare": ["ties"]}
-    expected = {"leo": [2, 2, 2], "karo": [2, 2, 2]}
+    expected = {"leo": [2, 2, 2], "karo": [1, 1, 2]}
     for cluster, jobs in expected.items():
         workdir = tmp_path / cluster
         workdir.mkdir()
         write_config(workdir, {**config, "cluster": cluster})
-        result = snakemake(workdir, "-n", profile="slurm-local", timeout=300)
+        result = snakemake(workdir, "-n", "-p", profile="slurm-local", timeout=300)
         assert slurm_jobs_per_round(result.stdout) == dict(enumerate(jobs, start=1)), cluster
         for name, counts in expected.items():
             assert f"fedtune: Slurm jobs per round on {name}: {', '.join(map(str, counts))} " in result.stderr
+    # karo's training of round 3 scores round 2's aggregate (its start: with adapters, the start it has
+    # just merged) and beta's round 2 model on beta's text, then trains; each score is an output of its own.
+    train = next(
+        job
+        for job in planned_jobs(result.stdout)
+        if job.name.startswith("train_") and job.wildcards["round"] == "3"
+    )
+    start = "results/demo/round-3/beta/start" if adapters else "results/demo/round-2/aggregate/model"
+    previous = "results/demo/round-2/beta/model" + (
+        " --base results/demo/round-2/beta/start" if adapters else ""
+    )
+    scored = [
+        f"python -m fedtune.evaluate --model {start} --split test",
+        f"python -m fedtune.evaluate --model {previous} --split test",
+        "-m fedtune.train ",
+    ]
+    positions = [train.shell.find(command) for command in scored]
+    assert -1 not in positions and positions == sorted(positions), train.shell
+    for role in ("aggregate", "site"):
+        assert f'"out":"results/demo/round-3/beta/before/{role}.json"' in train.shell, role

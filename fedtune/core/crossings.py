@@ -82,11 +82,11 @@ def score_crossings(run: RunConfig) -> list[Crossing]:
         return []
     return [
         Crossing(
-            scoring.score_path(model, site, r),
+            scoring.made_at(run, model, site, r),
             scoring.scoring_cluster(run, site),
             run.aggregate_on,
             r,
-            f"the score of {model} on {site}'s text ({scoring.score_path(model, site, r)})",
+            f"the score of {model} on {site}'s text ({scoring.made_at(run, model, site, r)})",
         )
         for r, model, site in scoring.scores(run)
         if scoring.scoring_cluster(run, site) != run.aggregate_on

@@ -6,7 +6,13 @@ With cross_site text_to_models every model is scored on every site's text where 
 none each site's text is read on its own cluster only, which scores there the models it holds anyway:
 the base model, each evaluated round's aggregate (the round's next training starts from it; the last
 round's is sent for this) and the site's own model. A method of aggregate.compare is made where the models
-meet and scored on the text of the sites there."""
+meet and scored on the text of the sites there.
+
+On a cluster where the models do not meet, a site's next training job scores the previous round's
+aggregate (its start model) and the site's previous model before it trains (`scored_in_training`), so
+that cluster runs one Slurm job per site and round; only the last round's models get an evaluation job
+of their own there. Such a score is written where the training job's outputs are (`made_at`) and is
+fetched into its usual place (`score_path`) where the models meet."""
 
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ from fedtune.core.config import TEXT_TO_MODELS, RunConfig
 BASE = "base"
 AGGREGATE = "aggregate"
 POOLED = "pooled"
+SITE = "site"  # a site's own model, as the role of a score made before training
 
 
 def cross_site(run: RunConfig) -> bool:
@@ -59,6 +66,41 @@ def score_path(model: str, site: str, round: int = 0) -> str:
     if model == POOLED:
         return f"{POOLED}/eval/{site}.json"
     return f"round-{round}/eval/{model}/{site}.json"
+
+
+def before_training(run: RunConfig) -> list[str]:
+    """What a site's training job of rounds 2.. scores on its site's text before it trains, where the
+    models do not meet (see `scored_in_training`): the previous round's aggregate unless
+    evaluate.intermediate is none, and the site's previous model with intermediate all."""
+    if cross_site(run) or run.participants or run.evaluate.intermediate == "none":
+        return []
+    return [AGGREGATE, SITE] if run.evaluate.intermediate == "all" else [AGGREGATE]
+
+
+def scored_in_training(run: RunConfig, model: str, site: str, round: int) -> bool:
+    """Whether the score of `model` (of `round`) on `site`'s text is made by the site's training job of
+    round + 1, before it trains: on a cluster where the models do not meet (evaluate.cross_site none),
+    for the aggregate and the site's own model of every round but the last. Not with
+    federation.participation, where the site may not train in the next round (nor have trained in this
+    one): its scores are evaluation jobs, in the round's group."""
+    if run.sites[site].cluster == run.aggregate_on or int(round) >= run.rounds:
+        return False
+    role = AGGREGATE if model == AGGREGATE else SITE if model == site else None
+    return role is not None and role in before_training(run)
+
+
+def before_training_path(site: str, round: int, role: str) -> str:
+    """Where the training job of `round` at `site` writes a score it makes before it trains: of the
+    previous round's aggregate (role aggregate) or of the site's previous model (role site)."""
+    return f"round-{round}/{site}/before/{role}.json"
+
+
+def made_at(run: RunConfig, model: str, site: str, round: int = 0) -> str:
+    """Where the score of `model` on `site`'s text is written on the cluster that makes it (on the
+    cluster where the models meet it is fetched into `score_path`)."""
+    if model not in (BASE, POOLED) and scored_in_training(run, model, site, round):
+        return before_training_path(site, int(round) + 1, AGGREGATE if model == AGGREGATE else SITE)
+    return score_path(model, site, round)
 
 
 def scores(run: RunConfig) -> list[tuple[int, str, str]]:

@@ -20,7 +20,7 @@ from fedtune.core.config import RunConfig
 from fedtune.core.scoring import cross_site
 
 # Rules whose jobs are trainings: their nodes x GPUs x time limit are the run's GPU-hours.
-TRAIN_RULES = ("train", "train_pooled", "train_pooled_sweep", "train_sweep", "train_merging")
+TRAIN_RULES = ("train", "train_pooled", "train_pooled_sweep", "train_sweep", "train_merging", "train_scoring")
 # A checkpoint holds fp32 weights and AdamW's two fp32 moments (training loads the model in fp32).
 CHECKPOINT_BYTES_PER_PARAM = 4 + 4 + 4
 ADAM_MOMENT_BYTES_PER_PARAM = 4 + 4  # federation.site_optimizer keep: a site's moments between rounds

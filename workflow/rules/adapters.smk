@@ -84,8 +84,12 @@ if MERGES_IN_TRAINING:
             manifest=lambda wc: manifest_path(wc.site),
             shards=lambda wc: shard_dirs(wc.site, "train"),
             optimizer=previous_optimizer,
+            # evaluate.cross_site none: the scores it makes before training (score_before_training).
+            test=lambda wc: raw_data_dir(wc.site) if SCORED_BEFORE else [],
+            previous=scored_previous_model,
         output:
             **OPTIMIZER_OUTPUT,
+            **SCORE_OUTPUT,
             model=directory(site_model_dir("{round}", "{site}")),
             start=directory(site_start_dir("{round}", "{site}")),
         wildcard_constraints:
@@ -93,6 +97,7 @@ if MERGES_IN_TRAINING:
             round=r"[2-9]|[1-9]\d+",
         params:
             start=lambda wc, output: output.start,
+            score=score_before_training,
             merge=lambda wc, input, output: (
                 f"python -m fedtune.aggregate.adapters --merge {shlex.quote(input.adapter)}"
                 f" --base {shlex.quote(input.init)} --out {shlex.quote(output.start)}"

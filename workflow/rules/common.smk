@@ -538,26 +538,79 @@ def eval_outputs(*folder):
     return [run_path(*folder, f"{site}.json") for site in SITES]
 
 
+def eval_site(site, out):
+    """One entry of evaluate's --sites: the site's test data, its fields and template, and where its
+    result goes."""
+    return {
+        "site": site,
+        "data": raw_data_dir(site),
+        "out": out,
+        "text_field": RUN.sites[site].dataset.text_field,
+        "template": RUN.sites[site].prompt_template,
+        **(
+            {"label_field": RUN.sites[site].dataset.label_field}
+            if CLASSIFICATION
+            else {}
+        ),
+    }
+
+
 def eval_sites(wildcards, output):
-    """--sites: each site's test data, its fields and template, and where its result goes (<site>.json:
-    each output names its site)."""
-    return to_json(
-        [
-            {
-                "site": site,
-                "data": raw_data_dir(site),
-                "out": out,
-                "text_field": RUN.sites[site].dataset.text_field,
-                "template": RUN.sites[site].prompt_template,
-                **(
-                    {"label_field": RUN.sites[site].dataset.label_field}
-                    if CLASSIFICATION
-                    else {}
-                ),
-            }
-            for site, out in ((Path(out).stem, out) for out in output)
+    """--sites of an evaluation job (<site>.json: each output names its site)."""
+    return to_json([eval_site(Path(out).stem, out) for out in output])
+
+
+# Where the models do not meet (evaluate.cross_site none), a site's training job of rounds 2.. scores the
+# previous round's aggregate (its start model) and the site's previous model on the site's text before
+# it trains (fedtune.core.scoring.scored_in_training): one Slurm job per site and round there.
+SCORED_BEFORE = scoring.before_training(RUN) if not aggregates_here() else []
+SCORE_OUTPUT = (
+    {
+        "scores": [
+            run_path(scoring.before_training_path("{site}", "{round}", role))
+            for role in SCORED_BEFORE
         ]
-    )
+    }
+    if SCORED_BEFORE
+    else {}
+)
+
+
+def scored_previous_model(wildcards):
+    """The site's previous model, which its training job scores before it trains (SCORE_OUTPUT)."""
+    if "site" not in SCORED_BEFORE:
+        return []
+    return [site_model_dir(int(wildcards.round) - 1, wildcards.site)]
+
+
+def score_before_training(wildcards, input, output):
+    """The commands that make SCORE_OUTPUT, each followed by `&&`, for the train rule's shell."""
+    if not SCORED_BEFORE:
+        return ""
+    site, round = wildcards.site, int(wildcards.round)
+    log = shlex.quote(log_path("train", f"round-{round}", site))
+    # With adapters the job has just merged the aggregate adapter into its start (train_merging); the
+    # site's previous adapter sits on the previous round's start.
+    start = output.start if MERGES_IN_TRAINING else input.init
+    previous_start = base_model_dir() if round == 2 else site_start_dir(round - 1, site)
+    models = {
+        "aggregate": (start, "", "aggregate"),
+        "site": (
+            site_model_dir(round - 1, site),
+            f" --base {shlex.quote(previous_start)}" if ADAPTERS else "",
+            site,
+        ),
+    }
+    commands = ""
+    for role, out in zip(SCORED_BEFORE, output.scores):
+        model, base, label = models[role]
+        commands += (
+            f"python -m fedtune.evaluate --model {shlex.quote(model)}{base} --split test"
+            f" --options {shlex.quote(EVAL_OPTIONS.perplexity_json())}"
+            f" --sites {shlex.quote(to_json([eval_site(site, out)]))}"
+            f" --label {label} --round {round - 1} {tracking_args()} >> {log} 2>&1 && "
+        )
+    return commands
 
 
 def pooled_eval(site):
@@ -726,6 +779,8 @@ CROSSING_ITEM = (
     r"data/[A-Za-z][A-Za-z0-9_]*/manifest\.json|round-\d+/[A-Za-z][A-Za-z0-9_]*/(model|adapter|update)"
     # Scores made where a site's text is (evaluate.cross_site none).
     r"|eval/base/[A-Za-z][A-Za-z0-9_]*\.json|round-\d+/eval/[A-Za-z][A-Za-z0-9_-]*/[A-Za-z][A-Za-z0-9_]*\.json"
+    # ... and by a site's training job, before it trains (scoring.before_training_path).
+    r"|round-\d+/[A-Za-z][A-Za-z0-9_]*/before/(aggregate|site)\.json"
 )
 PUSH_TO = sorted(
     {receiver for _, maker, receiver, *_ in crossing_items() if maker == HERE}
@@ -866,10 +921,8 @@ def stage_outputs():
         ]
         # The scores made here on this cluster's sites' text, which go back to the report.
         outputs += [
-            run_path(path)
-            for path, (_, model, site) in zip(
-                scoring.score_paths(RUN), scoring.scores(RUN)
-            )
+            run_path(scoring.made_at(RUN, model, site, r))
+            for r, model, site in scoring.scores(RUN)
             if scored_here(site)
         ]
         if MERGES_IN_TRAINING:
@@ -952,13 +1005,15 @@ def slurm_jobs_per_round(cluster, round):
     )
     if cluster is not None and cluster != AGGREGATE_ON:
         # With adapters, each training merges its start model first (train_merging). With
-        # evaluate.cross_site none, the scores on its sites' text of the models of the round: one job
-        # when the profile joins the group round-<r>.
+        # evaluate.cross_site none, the scores on its sites' text of the models of the round that no
+        # training of the next round makes (the last round's): one job when the profile joins the group
+        # round-<r>.
         scored = [
             model
             for model in round_models(round)
             if any(
                 scoring.scoring_cluster(RUN, s) == cluster
+                and not scoring.scored_in_training(RUN, model, s, round)
                 for s in scoring.scored_sites(RUN, model)
             )
             and (

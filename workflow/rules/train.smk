@@ -20,8 +20,8 @@ rule train:
     wildcard_constraints:
         # Sites of other clusters come in through fetch_site_model (transfer.smk).
         site=one_of(LOCAL_SITES),
-        # Where train_merging makes the later rounds (below): round 1 only.
-        round="1" if MERGES_IN_TRAINING else r"\d+",
+        # Where train_merging or train_scoring make the later rounds (below): round 1 only.
+        round="1" if MERGES_IN_TRAINING or SCORED_BEFORE else r"\d+",
     # The rounds' trainings and merges are the run's critical path: when cores are short (a local run),
     # a round's trainings go first, side by side, and evaluations fill the gaps (the demo: see
     # benchmarks/README.md).
@@ -56,16 +56,42 @@ rule train:
         # The model training starts from; train_merging makes it in the job first.
         start=lambda wc, input: input.init,
         merge="",
+        score="",
         round_args=round_args,
         summary_only="",
         tracking=lambda wc: tracking_args(),
     shell:
         # Appended, not overwritten: a resumed attempt keeps the log of the one it continues.
-        '{params.merge}"$FEDTUNE_LAUNCH" {params.launch} -- python -m fedtune.train --site {params.site}'
+        '{params.merge}{params.score}"$FEDTUNE_LAUNCH" {params.launch} -- python -m fedtune.train --site {params.site}'
         " --init {params.start:q} --manifest {input.manifest:q} --options {params.options:q}"
         " --checkpoints {params.checkpoints:q} --out {output.model:q}"
         " {params.round_args} {params.summary_only} {params.tracking}"
         " >> {log:q} 2>&1"
+
+
+# Where the models do not meet (evaluate.cross_site none): a training of round r >= 2 first scores round
+# r-1's aggregate (its start model) and the site's round r-1 model on the site's test text
+# (score_before_training, common.smk), so that the cluster runs one Slurm job per site and round. With
+# adapters train_merging does this after its merge.
+if SCORED_BEFORE and not MERGES_IN_TRAINING:
+
+    use rule train as train_scoring with:
+        input:
+            init=lambda wc: init_model_dir(wc.round),
+            manifest=lambda wc: manifest_path(wc.site),
+            shards=lambda wc: shard_dirs(wc.site, "train"),
+            optimizer=previous_optimizer,
+            test=lambda wc: raw_data_dir(wc.site),
+            previous=scored_previous_model,
+        output:
+            **OPTIMIZER_OUTPUT,
+            **SCORE_OUTPUT,
+            model=directory(site_model_dir("{round}", "{site}")),
+        wildcard_constraints:
+            site=one_of(LOCAL_SITES),
+            round=r"[2-9]|[1-9]\d+",
+        params:
+            score=score_before_training,
 
 
 # The pooled baseline (federation.pooled_baseline): every site's training data at once, from the base

@@ -97,7 +97,7 @@ if aggregates_here() and SCORED_ELSEWHERE:
         localrule: True
         params:
             args=lambda wc, output: receive_args(
-                scoring.score_path(wc.model, wc.site, wc.round), output[0]
+                scoring.made_at(RUN, wc.model, wc.site, wc.round), output[0]
             ),
 
     use rule fetch_manifest as fetch_base_score with:
