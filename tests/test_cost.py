@@ -167,6 +167,46 @@ def test_a_two_cluster_round_under_slurm(tmp_path, monkeypatch):
     assert paths["cost.png"].stat().st_size > 0
 
 
+def test_the_other_clusters_accounting_comes_as_its_own_table(tmp_path, monkeypatch):
+    """The cluster where the models do not meet writes its commands with its own sacct (--jobs-only); the
+    aggregating cluster's table then has its rows and node-hours, not the training.json estimate."""
+    karo, leo, t0 = tmp_path / "karo", tmp_path / "leo", 1_800_000_000.0
+    _record(karo / "logs" / "jobs", "fedtune.evaluate", ["--label", "aggregate", "--round", "1"], t0, 150,
+            slurm_job_id="101")  # fmt: skip
+    _record(karo / "logs" / "jobs", "fedtune.train", ["--out", f"{karo}/round-2/beta/model"], t0 + 150, 3450,
+            slurm_job_id="101")  # fmt: skip
+    _fake_sacct(tmp_path / "bin")
+    env = dict(
+        os.environ,
+        PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}",
+        PYTHONPATH=str(Path(__file__).parent.parent),
+    )
+    part = leo / "report" / "cost_jobs-karo.csv"
+    subprocess.run(
+        [sys.executable, "-m", "fedtune.report.cost", "--jobs-only", "karo", "--run", str(karo), "--out", str(part)],
+        check=True, env=env, capture_output=True,
+    )  # fmt: skip
+    training = karo / "round-2" / "beta" / "model" / "training.json"
+    training.parent.mkdir(parents=True)
+    training.write_text(json.dumps({"wall_time_s": 3400.0, "tokens_seen": 100}))
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    settings = {"cluster": "leo", "sites": {"alpha": {"cluster": "leo"}, "beta": {"cluster": "karo"}}}
+    paths = cost.cost_report(leo, leo / "report", settings=settings, remote_jobs=[part],
+                             training=[(2, "beta", training)])  # fmt: skip
+    table = pd.read_csv(paths["cost.csv"]).set_index(["round", "cluster"])
+    # Job 101 (sacct: 1 h x 2 nodes) shared by the scoring of round 1 and the training of round 2.
+    assert table.loc[(1, "karo")]["evaluation_s"] == 150
+    assert table.loc[(2, "karo")]["training_s"] == 3450
+    hours = table.loc[(1, "karo")]["node_hours"] + table.loc[(2, "karo")]["node_hours"]
+    assert hours == pytest.approx(2)
+    jobs = pd.read_csv(paths["cost_jobs.csv"])
+    assert set(jobs["accounting"]) == {"sacct"}  # no "training.json only" estimate for beta
+    bad = leo / "bad.csv"
+    bad.write_text("round,cluster\n1,karo\n")
+    with pytest.raises(cost.ReportError, match="bad.csv: no column stage"):
+        cost.cost_report(leo, leo / "report", settings=settings, remote_jobs=[bad])
+
+
 def test_a_local_run_counts_wall_time_times_processes(tmp_path, monkeypatch):
     run, t0 = tmp_path / "run", 1_800_000_000.0
     jobs_dir = run / "logs" / "jobs"

@@ -174,8 +174,15 @@ def test_by_default_no_cluster_reads_another_clusters_text_and_the_scores_cross(
     marked = {job.wildcards["item"] for job in karo if job.name == "mark_complete"}
     made = {"eval/base/beta.json", "round-2/beta/before/aggregate.json", "round-2/eval/aggregate/beta.json",
             "round-2/eval/beta/beta.json"}  # fmt: skip
+    # ... and, after its last job, its jobs' accounting for the report's cost table.
     assert made <= marked and marked - made == {"data/beta/manifest.json", "round-1/beta/model",
-                                                "round-2/beta/model"}  # fmt: skip
+                                                "round-2/beta/model", "report/cost_jobs-karo.csv"}  # fmt: skip
+    part = next(job for job in karo if job.name == "report_cost_part")
+    assert "--jobs-only karo " in part.shell
+    assert any(job.name == "fetch_cost_part" for job in leo)
+    assert "--remote-jobs results/demo/report/cost_jobs-karo.csv " in next(
+        job.shell for job in leo if job.name == "report_cost"
+    )
     # The last round's aggregate goes to karo too, to be scored there.
     assert {job.wildcards["round"] for job in karo if job.name == "fetch_aggregate"} == {"1", "2"}
     fetched = {re.search(r"--out \S*results/demo/(\S+)", job.shell).group(1) for job in leo

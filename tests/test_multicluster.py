@@ -9,6 +9,7 @@ remote that never delivers ends in the timeout error with nothing partial left."
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import signal
@@ -320,4 +321,11 @@ def test_a_private_sites_text_stays_on_its_cluster_and_only_scores_cross(tmp_pat
     expected = (workdir / "results/demo/report/perplexity.csv").read_text()
     assert (leonardo_run / "report" / "perplexity.csv").read_text() == expected
     assert "beta" in expected.splitlines()[0]
+    # The cost table has karo's own accounting (its table, sent after its last job), not an estimate.
+    with open(leonardo_run / "report" / "cost_jobs.csv") as f:
+        jobs = list(csv.DictReader(f))
+    assert {row["stage"] for row in jobs if row["cluster"] == "karo"} >= {"training", "evaluation", "prepare"}
+    assert not [row for row in jobs if "training.json only" in row["accounting"]], jobs
+    with open(leonardo_run / "report" / "cost.csv") as f:
+        assert {row["cluster"] for row in csv.DictReader(f)} == {"leo", "karo"}
     assert_confined(ssh, karolina_run)

@@ -120,6 +120,8 @@ def test_leonardo_dry_run_of_the_llama2_example_ends_with_its_summary(llama2):
         "report": 1,
         "report_settings": 1,
         "report_cost": 1,
+        # Karolina's own job accounting (its sacct), for the cost table.
+        "fetch_cost_part": 1,
     }
     assert leonardo["login node"].startswith(f"{sum(login.values())} jobs ("), leonardo
     for rule, n in login.items():
@@ -170,10 +172,11 @@ def test_karolina_dry_run_counts_its_tokenize_groups_once_and_fetches_in_the_con
     shards = config["tokenize"]["shards"]
     # Its site's manifest and models, marked for Leonardo to fetch, and the scores on cs's text: the base
     # model's, and each round's aggregate's and cs's own (evaluate.intermediate all, the default).
-    items = 1 + expect["rounds"] + 1 + 2 * expect["rounds"]
+    # And after its last job its own job accounting (its sacct) for the report's cost table.
+    items = 1 + expect["rounds"] + 1 + 2 * expect["rounds"] + 1
     # Every round's aggregate, the last one's too: Karolina scores it on cs's text.
     login = {"mark_complete": items, "fetch_aggregate": expect["rounds"], "download_data": 1,
-             "download_model": 1, "tokenize_manifest": 1}  # fmt: skip
+             "download_model": 1, "tokenize_manifest": 1, "report_cost_part": 1}  # fmt: skip
     assert karolina["login node"].startswith(f"{sum(login.values())} jobs ("), karolina
     for rule, n in login.items():
         assert f"{n} {rule}" in karolina["login node"], (rule, karolina)

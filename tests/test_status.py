@@ -166,7 +166,12 @@ def finished_cluster_tree(tmp_path, transfer: str, cross_site: str = "text_to_mo
             json.dumps({"site": "beta", "steps": 30, "final_loss": 4.0 - r / 10, "wall_time_s": 50.0})
         )
         (model / "loss.csv").write_text(loss_log(30))
-    items = ["data/beta/manifest.json"] + [f"round-{r}/beta/model" for r in (1, 2, 3)]
+    # ... and, after its last job, its job accounting for the report's cost table.
+    items = (
+        ["data/beta/manifest.json"]
+        + [f"round-{r}/beta/model" for r in (1, 2, 3)]
+        + ["report/cost_jobs-karo.csv"]
+    )
     if cross_site == "none":
         # Rounds 1 and 2's aggregates scored by beta's next training before it trains, round 3's models
         # by an evaluation job.
@@ -213,7 +218,9 @@ def test_status_on_the_cluster_where_the_models_do_not_meet(tmp_path, transfer):
     verb = "sent to" if transfer == "push" else "ready for"
     sent = [line for line in lines if line.startswith("sent: ")]
     assert sent[0].startswith(f"sent: beta's manifest: {verb} leo at ")
-    assert [line.split(":")[1] for line in sent[1:]] == [f" beta's model of round {r}" for r in (1, 2, 3)]
+    assert [line.split(":")[1] for line in sent[1:]] == [f" beta's model of round {r}" for r in (1, 2, 3)] + [
+        " karo's job accounting of round 3"
+    ]
     assert all(f": {verb} leo at " in line for line in sent)
     assert (
         "received: round 2's aggregate from leo at 2027-01-15 09:00:00 UTC "
@@ -248,7 +255,7 @@ def test_status_on_the_cluster_where_the_models_do_not_meet(tmp_path, transfer):
     (run_dir / "round-3" / "beta" / "model.COMPLETE").unlink(missing_ok=True)
     (run_dir / "sent" / "leo" / "round-3" / "beta" / "model.COMPLETE").unlink(missing_ok=True)
     status = collect(layout_from_config(config_file, cluster="karo"))
-    assert [item["done"] for item in status["sent"]] == [True, True, True, False]
+    assert [item["done"] for item in status["sent"]] == [True, True, True, False, True]
     assert status["received"]["round"] == 2 and status["report"] is None
 
 

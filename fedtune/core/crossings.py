@@ -72,7 +72,21 @@ def crossing_items(run: RunConfig) -> list[Crossing]:
             # The last round's aggregate is scored on each site's text at home (evaluate.cross_site none).
             if r < run.rounds or not scoring.cross_site(run)
         ]
-    return items + score_crossings(run)
+    return items + score_crossings(run) + cost_crossings(run)
+
+
+def cost_part(cluster: str) -> str:
+    """The item that carries `cluster`'s job accounting (fedtune.report.cost --jobs-only) to the report."""
+    return f"report/cost_jobs-{cluster}.csv"
+
+
+def cost_crossings(run: RunConfig) -> list[Crossing]:
+    """Each cluster where the models do not meet sends its jobs' accounting (its own sacct, which only it
+    can read) after its last job, so that the report's cost table has every cluster's node-hours."""
+    if run.cluster is None:
+        return []
+    others = sorted({site.cluster for site in run.sites.values()} - {run.aggregate_on})
+    return [Crossing(cost_part(c), c, run.aggregate_on, run.rounds, f"{c}'s job accounting") for c in others]
 
 
 def score_crossings(run: RunConfig) -> list[Crossing]:

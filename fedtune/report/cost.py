@@ -15,8 +15,10 @@ Inputs, all read from the run folder:
   sacct, or when it fails, the table says "not available" and counts wall time x processes, as for jobs
   that ran without Slurm;
 - the crossing items' completion markers (whatever files they list, their sizes: what crossed);
-- the sites' training.json (tokens; wall time of the sites trained on another cluster, whose accounting is
-  there) and the evaluation results (the final perplexity).
+- the other clusters' own tables (--remote-jobs: each cluster where the models do not meet runs
+  `--jobs-only CLUSTER` after its last job, with its own sacct, and sends the CSV like a score);
+- the sites' training.json (tokens; the wall time of a site trained on a cluster that sent no table) and
+  the evaluation results (the final perplexity).
 
 Outputs in --out: cost.csv / .md / .html (one row per round and cluster), cost.png (the time split and the
 node-hours), cost_items.csv (each crossing item's bytes), cost_jobs.csv (each command with its job's
@@ -507,6 +509,30 @@ def cost_figure(table: pd.DataFrame, path: Path) -> None:
     plt.close(fig)
 
 
+def own_jobs(run: Path, cluster: str, sacct_timeout: float) -> tuple[pd.DataFrame, str]:
+    """This cluster's commands with their accounting (jobs_table), and why sacct gave none ("" if it did)."""
+    records = load_records(run / "logs" / "jobs")
+    job_ids = [r["slurm_job_id"] for r in records if r.get("slurm_job_id")]
+    accounting, note = slurm_accounting(job_ids, sacct_timeout)
+    if note:
+        print(f"report: warning: Slurm accounting {NOT_AVAILABLE}: {note}", file=sys.stderr)
+    return jobs_table(records, accounting, run, cluster, f"{NOT_AVAILABLE}: {note}" if note else ""), note
+
+
+def read_jobs_part(path: Path, columns) -> pd.DataFrame:
+    """Another cluster's jobs table (its --jobs-only output), checked for the columns this one writes."""
+    try:
+        part = pd.read_csv(path)
+    except (OSError, ValueError) as error:
+        raise ReportError(f"--remote-jobs: {path}: {error}") from error
+    missing = [c for c in columns if c not in part.columns]
+    if missing:
+        raise ReportError(
+            f"--remote-jobs: {path}: no column {', '.join(missing)} (written by another version?)"
+        )
+    return part[list(columns)]
+
+
 def cost_report(
     run: str | Path,
     out_dir: str | Path,
@@ -515,6 +541,7 @@ def cost_report(
     evals: Sequence[str | Path] = (),
     training: Sequence[tuple[int, str, Path]] = (),
     crossings: Sequence[CrossingItem] = (),
+    remote_jobs: Sequence[str | Path] = (),
     sacct_timeout: float = 60,
 ) -> dict[str, Path]:
     run, out_dir = Path(run), Path(out_dir)
@@ -526,12 +553,13 @@ def cost_report(
     # A one-cluster run is named by its sites' cluster when they name one (slurm-local), else "local".
     cluster = settings.get("cluster") or (named.pop() if len(named) == 1 else "local")
     site_clusters = {name: (site or {}).get("cluster") or cluster for name, site in sites.items()}
-    records = load_records(run / "logs" / "jobs")
-    job_ids = [r["slurm_job_id"] for r in records if r.get("slurm_job_id")]
-    accounting, note = slurm_accounting(job_ids, sacct_timeout)
-    if note:
-        print(f"report: warning: Slurm accounting {NOT_AVAILABLE}: {note}", file=sys.stderr)
-    jobs = jobs_table(records, accounting, run, cluster, f"{NOT_AVAILABLE}: {note}" if note else "")
+    jobs, note = own_jobs(run, cluster, sacct_timeout)
+    # The other clusters' own accounting (each sends its table after its last job); what none sent is
+    # estimated from the sites' training.json below.
+    parts = [read_jobs_part(Path(p), jobs.columns) for p in remote_jobs]
+    if parts:
+        jobs = pd.concat([jobs, *parts], ignore_index=True)
+        jobs["round"] = pd.to_numeric(jobs["round"]).astype("Int64")
     remote = remote_training(training, jobs, site_clusters)
     if remote:
         jobs = pd.concat([jobs, pd.DataFrame(remote, columns=jobs.columns)], ignore_index=True)
@@ -588,8 +616,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     cli.add_list(parser, "--eval", "JSON", "evaluate results (the final perplexity)")
     cli.add_list(parser, "--training", "ROUND:SITE=JSON", "training.json of each site model")
     cli.add_list(parser, "--crossing", "ROUND:MAKER:RECEIVER=ITEM", "what crosses between clusters")
+    cli.add_list(parser, "--remote-jobs", "CSV", "the other clusters' tables written with --jobs-only")
+    parser.add_argument(
+        "--jobs-only",
+        metavar="CLUSTER",
+        help="write only this cluster's commands with their accounting to --out (a CSV file): what a cluster "
+        "where the models do not meet sends to the report",
+    )
     parser.add_argument("--sacct-timeout", type=float, default=60, help="seconds sacct may take (default 60)")
     args = parser.parse_args(argv)
+    if args.jobs_only:
+        if not Path(args.run).is_dir():
+            raise ReportError(f"--run: {args.run} is not a folder")
+        jobs, _ = own_jobs(Path(args.run), args.jobs_only, args.sacct_timeout)
+        write_text(Path(args.out), jobs.to_csv(index=False))
+        print(f"report: {len(jobs)} commands of {args.jobs_only} -> {args.out}", file=sys.stderr)
+        return 0
     paths = cost_report(
         args.run,
         args.out,
@@ -597,6 +639,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         evals=args.eval,
         training=[parse_labelled(item, "--training") for item in args.training],
         crossings=[parse_crossing(item) for item in args.crossing],
+        remote_jobs=args.remote_jobs,
         sacct_timeout=args.sacct_timeout,
     )
     print(paths["cost.md"].read_text(encoding="utf-8"), file=sys.stderr)

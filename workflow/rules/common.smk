@@ -781,6 +781,8 @@ CROSSING_ITEM = (
     r"|eval/base/[A-Za-z][A-Za-z0-9_]*\.json|round-\d+/eval/[A-Za-z][A-Za-z0-9_-]*/[A-Za-z][A-Za-z0-9_]*\.json"
     # ... and by a site's training job, before it trains (scoring.before_training_path).
     r"|round-\d+/[A-Za-z][A-Za-z0-9_]*/before/(aggregate|site)\.json"
+    # A cluster's job accounting, for the report's cost table (fedtune.core.crossings.cost_part).
+    r"|report/cost_jobs-[A-Za-z][A-Za-z0-9_-]*\.csv"
 )
 PUSH_TO = sorted(
     {receiver for _, maker, receiver, *_ in crossing_items() if maker == HERE}

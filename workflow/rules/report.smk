@@ -163,9 +163,18 @@ COST_CROSSINGS = " ".join(
 )
 
 
+# The clusters where the models do not meet send their own accounting (their sacct) after their last job.
+COST_PARTS = [
+    run_path(item)
+    for item, maker, receiver, *_ in crossing_items()
+    if item.startswith("report/cost_jobs-") and receiver == HERE
+]
+
+
 rule report_cost:
     input:
         evals=EVAL_RESULTS,
+        remote_jobs=COST_PARTS,
         settings=run_path("report", "settings.json"),
         models=[site_model_dir(r, site) for r in ROUNDS for site in round_sites(r)]
         + ([pooled_model_dir()] if RUN.pooled else []),
@@ -197,7 +206,12 @@ rule report_cost:
         run=lambda wc: str(RUN_DIR),
         training=TRAINING_SUMMARIES,
         crossings=COST_CROSSINGS,
+        remote_jobs=lambda wc, input: (
+            "--remote-jobs " + " ".join(shlex.quote(p) for p in input.remote_jobs)
+            if input.remote_jobs
+            else ""
+        ),
     shell:
         "python -m fedtune.report.cost --out {params.out:q} --run {params.run:q}"
         " --settings {input.settings:q} --eval {input.evals:q} --training {params.training:q}"
-        " {params.crossings} > {log:q} 2>&1"
+        " {params.remote_jobs} {params.crossings} > {log:q} 2>&1"

@@ -116,6 +116,63 @@ if aggregates_here() and SCORED_ELSEWHERE:
             ),
 
 
+# The report's cost table (fedtune.report.cost): a cluster where the models do not meet writes its own
+# commands with its own sacct accounting after everything else it makes, and sends it like a score.
+COST_PARTS_ELSEWHERE = sorted(
+    maker
+    for item, maker, *_ in crossing_items()
+    if item.startswith("report/cost_jobs-") and maker != HERE
+)
+COST_PART_HERE = [
+    item
+    for item, maker, *_ in crossing_items()
+    if maker == HERE and item.startswith("report/cost_jobs-")
+]
+if COST_PART_HERE:
+
+    rule report_cost_part:
+        input:
+            # After this cluster's last job: everything else it sends.
+            [
+                run_path(item)
+                for item, maker, *_ in crossing_items()
+                if maker == HERE and item not in COST_PART_HERE
+            ],
+        output:
+            run_path(COST_PART_HERE[0]),
+        log:
+            log_path("report", "cost-part"),
+        localrule: True
+        conda:
+            CONDA_ENV
+        container:
+            CONTAINER
+        params:
+            run=lambda wc: str(RUN_DIR),
+            cluster=HERE,
+        shell:
+            "python -m fedtune.report.cost --jobs-only {params.cluster} --run {params.run:q} --out {output:q}"
+            " > {log:q} 2>&1"
+
+
+if aggregates_here() and COST_PARTS_ELSEWHERE:
+
+    use rule fetch_manifest as fetch_cost_part with:
+        input:
+            after=aggregate_model_dir(ROUNDS[-1]),
+        output:
+            run_path("report", "cost_jobs-{cluster}.csv"),
+        log:
+            log_path("fetch_cost_part", "{cluster}"),
+        wildcard_constraints:
+            cluster=one_of(COST_PARTS_ELSEWHERE),
+        localrule: True
+        params:
+            args=lambda wc, output: receive_args(
+                f"report/cost_jobs-{wc.cluster}.csv", output[0]
+            ),
+
+
 # A folder or file another cluster pulls: the sha256 list of its files, written once it is in place, and
 # the item with its list published under exchange/outbox (hard links), where the others read it.
 rule mark_complete:
