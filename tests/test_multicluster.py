@@ -180,6 +180,9 @@ def test_adapters_three_rounds_both_pulling(tmp_path, ssh):
         score = json.loads((leonardo_run / f"round-{r}/eval/aggregate/beta.json").read_text())
         assert score == json.loads((karolina_run / f"round-{r + 1}/beta/before/aggregate.json").read_text())
         assert score["model"] == "aggregate" and score["round"] == r, score
+    # The last round's, scored by an evaluation job there, merged there first into Leonardo's bits.
+    final = karolina_run / f"round-{ROUNDS}" / "aggregate" / "model"
+    assert {p.name: p.read_bytes() for p in final.glob("*.safetensors")} == weights(leonardo)
     assert (leonardo_run / f"round-{ROUNDS - 1}/aggregate/adapter.COMPLETE").is_file()
     assert_confined(ssh, karolina_run)
 

@@ -44,12 +44,20 @@ if ADAPTERS and aggregates_here():
             " --manifest {params.manifests:q} > {log:q} 2>&1"
 
 
-if ADAPTERS and aggregates_here():
+# Where the models do not meet, an aggregate adapter that an evaluation job scores there (the last
+# round's; the earlier ones are scored merged by the next training, train_merging) is merged into the
+# round's start at a site there, which is the aggregating cluster's start bit for bit: the same command
+# makes the same bits as here.
+if ADAPTERS:
 
     rule merge_adapter:
         input:
             adapter=aggregate_adapter_dir("{round}"),
-            start=lambda wc: init_model_dir(wc.round),
+            start=lambda wc: (
+                init_model_dir(wc.round)
+                if aggregates_here() or int(wc.round) == 1
+                else site_start_dir(wc.round, LOCAL_SITES[0])
+            ),
         output:
             directory(aggregate_model_dir("{round}")),
         log:

@@ -270,13 +270,17 @@ def adapter_base(wildcards):
         return []
     if "model" not in wildcards.keys():
         return [base_model_dir()]  # the pooled baseline
+    if wildcards.model not in SITES:
+        return (
+            []
+        )  # a merged model: the aggregate (merged here too, merge_adapter_here) or a method
     if MERGES_IN_TRAINING:
-        # Where the models do not meet: round r's start is train_merging's copy at a site here, on which
-        # the aggregate adapter (evaluate.cross_site none) is scored as well.
-        site = wildcards.model if wildcards.model in SITES else LOCAL_SITES[0]
+        # Where the models do not meet: round r's start is train_merging's copy at the site.
         round = int(wildcards.round)
-        return [base_model_dir() if round == 1 else site_start_dir(round, site)]
-    return [init_model_dir(wildcards.round)] if wildcards.model in SITES else []
+        return [
+            base_model_dir() if round == 1 else site_start_dir(round, wildcards.model)
+        ]
+    return [init_model_dir(wildcards.round)]
 
 
 def base_arg(wildcards, input):
@@ -522,12 +526,8 @@ def sites_scored_here(model):
 def round_model_dir(round, model):
     """A model of round `round` by its name in the report: a site, aggregate or a compared method."""
     if model == "aggregate":
-        # On a cluster where the models do not meet, with adapters, only the aggregate adapter comes.
-        return (
-            aggregate_adapter_dir(round)
-            if MERGES_IN_TRAINING
-            else aggregate_model_dir(round)
-        )
+        # With adapters, merged where it is scored (merge_adapter, merge_adapter_here).
+        return aggregate_model_dir(round)
     if model in SITES:
         return site_model_dir(round, model)
     return compare_model_dir(round, model)
