@@ -16,13 +16,13 @@ cell's sites, rounds, steps and strategy; nothing here trains or merges by itsel
 
 The yardstick is tuned: the pooled model sweeps --pooled-lr-factors (times the config's lr) crossed
 with --pooled-embedding-factors (train.embedding_lr_factor, the embedding and LM-head rows' lr
-multiplier, set on the pooled TrainOptions as federation.pooled_embedding_lr_factors sets it), the
-strategies sweep --lr-factors at embedding factor 1 (the default's vocab step gives those rows their
-larger step), and each model is read at its own best point (lowest geometric mean perplexity over the
-sites). The CSV holds every grid point (`lr_factor`, `embedding_factor` columns; a CSV written before
-the embedding factor reads as 1); benchmarks/results/federation/yardstick.md summarises. On the
-confirmation half nothing is swept: each model runs once at the point it won on the tuning half
-(--chosen).
+multiplier, set on the pooled TrainOptions as federation.pooled_embedding_lr_factors sets it); the
+strategies sweep --lr-factors crossed with --embedding-factors (the sites' train.embedding_lr_factor,
+1 unless asked: the default strategy's vocab step is what gives those rows a larger step). Each model
+is read at its own best point (lowest geometric mean perplexity over the sites). The CSV holds every
+grid point (`lr_factor`, `embedding_factor` columns; a CSV written before the embedding factor reads
+as 1); benchmarks/results/federation/yardstick.md summarises. On the confirmation half nothing is
+swept: each model runs once at the point it won on the tuning half (--chosen).
 
 Partial participation (--participation < 1) is the product's federation.participation: the cell's
 config sets it, build_run_config draws each round's sites (fedtune.core.config.sample_participants,
@@ -40,6 +40,7 @@ import dataclasses
 import json
 import math
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -164,7 +165,15 @@ class Cell:
             out=out, optimizer_in=optimizer[0] if optimizer else None,
             optimizer_out=optimizer[1] if optimizer else None,
         )  # fmt: skip
-        if train(job, options, plan) != 0:
+        # train() installs the train stage's SIGTERM/SIGUSR1 handlers (checkpoint, then exit) and leaves
+        # them, since its CLI exits next; restored here, or a SIGTERM between two trainings is lost.
+        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+        try:
+            status = train(job, options, plan)
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+        if status != 0:
             raise SystemExit(f"error: training {site} stopped early")
         return out
 
@@ -193,11 +202,11 @@ class Cell:
         shutil.rmtree(out)
         return result
 
-    def federate(self, strategy: str, factor: float) -> dict[str, float]:
+    def federate(self, strategy: str, factor: float, embedding: float = 1.0) -> dict[str, float]:
         from fedtune.train.loop import RoundPlan
 
         run = self.run[strategy]
-        root = self.work / f"{strategy}-x{factor:g}"
+        root = self.work / f"{strategy}-x{factor:g}-emb{embedding:g}"
         start, state = self.base, None
         keep = run.site_optimizer == "keep"
         for r in range(1, run.rounds + 1):
@@ -205,7 +214,7 @@ class Cell:
             trained = {}
             for site in run.round_sites(r):
                 options = run.sites[site].train
-                options = dataclasses.replace(options, lr=options.lr * factor)
+                options = dataclasses.replace(options, lr=options.lr * factor, embedding_lr_factor=embedding)
                 moments = None
                 if keep:
                     previous = root / "optimizer" / site
@@ -279,13 +288,13 @@ def run_cell(args, seed: int) -> list[dict]:
         elif strategy is None:
             points = [(f, e) for f in args.pooled_lr_factors for e in args.pooled_embedding_factors]
         else:
-            points = [(f, 1.0) for f in args.lr_factors]
+            points = [(f, e) for f in args.lr_factors for e in args.embedding_factors]
         for factor, embedding in points:
             t0 = time.time()
             if strategy is None:
                 ppl = cell.pooled(factor, embedding)
             else:
-                ppl = cell.federate(strategy, factor)
+                ppl = cell.federate(strategy, factor, embedding)
             base_lr = next(iter(cell.run.values())).pooled.lr
             for site, value in ppl.items():
                 rows.append({**label, "model": model, "lr_factor": factor, "embedding_factor": embedding,
@@ -411,6 +420,10 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--lr-factors", type=float, nargs="+", default=[1.0, 2.0, 4.0], help="the strategies' lr grid"
     )
+    parser.add_argument(
+        "--embedding-factors", type=float, nargs="+", default=[1.0],
+        help="the strategies' embedding/head lr factors (the sites' train.embedding_lr_factor), crossed with --lr-factors",
+    )  # fmt: skip
     parser.add_argument(
         "--pooled-lr-factors", type=float, nargs="+", default=[0.25, 0.5, 1.0, 2.0, 4.0],
         help="the pooled model's lr grid (times the config's lr)",
