@@ -317,14 +317,17 @@ POINT = ["lr_factor", "embedding_factor"]
 
 
 def read_results(paths) -> pd.DataFrame:
-    """The benchmark's CSVs as one frame; rows written before the embedding factor existed read as 1."""
+    """The benchmark's CSVs as one frame; rows written before the embedding factor existed read as 1.
+    A grid point measured in two CSVs (the same cell, seed, model, point and site: the runs are
+    deterministic) counts once, the first CSV's."""
     frames = []
     for path in paths:
         frame = pd.read_csv(path)
         if "embedding_factor" not in frame:
             frame["embedding_factor"] = 1.0
         frames.append(frame)
-    return pd.concat(frames, ignore_index=True)
+    frame = pd.concat(frames, ignore_index=True)
+    return frame.drop_duplicates([*CELL, "seed", "model", *POINT, "site"], ignore_index=True)
 
 
 def chosen_points(frame: pd.DataFrame) -> dict[str, tuple[float, float]]:

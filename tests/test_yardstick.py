@@ -377,7 +377,8 @@ def test_the_benchmark_reads_the_pooled_models_best_lr_and_embedding_pair(tmp_pa
     pd.DataFrame([{**r, "half": "confirmation"} for r in rows if r["embedding_factor"] == 1]).drop(
         columns="embedding_factor"
     ).to_csv(old, index=False)
-    frame = bench.read_results([new, old])
+    frame = bench.read_results([new, old, new])  # a point in two CSVs counts once
+    assert len(frame) == len(rows) + len(pd.read_csv(old))
     assert (frame[frame.half == "confirmation"].embedding_factor == 1).all()
     assert bench.chosen_points(frame) == {"pooled": (0.5, 2.0), "default": (1.0, 1.0)}
     gaps = bench.gaps(frame[frame.half == "tuning"])
