@@ -391,10 +391,12 @@ def gaps(frame: pd.DataFrame) -> pd.DataFrame:
 def summarise(frame: pd.DataFrame) -> str:
     """The Markdown table of yardstick.md: per cell and strategy, over seeds, the geometric mean and the
     worst site's gap (mean over seeds, worst seed), against the best pooled model and the pooled model
-    at x1, and the worst site's ratio to FedAvg."""
+    at x1, and the worst site's ratio to FedAvg; `lr` / `emb` the strategy's winning point, `pooled_lr` /
+    `pooled_emb` the pooled model's."""
     rows = gaps(frame)
     per_seed = rows.groupby([*CELL, "model", "seed"]).agg(
-        factor=("lr_factor", "first"), pooled_factor=("pooled_factor", "first"),
+        factor=("lr_factor", "first"), emb=("embedding_factor", "first"),
+        pooled_factor=("pooled_factor", "first"),
         pooled_emb=("pooled_emb", "first"),
         geo=("gap", lambda g: float(np.exp(np.log(g).mean()))), worst=("gap", "max"),
         geo_x1=("gap_x1", lambda g: float(np.exp(np.log(g).mean()))),
@@ -402,7 +404,8 @@ def summarise(frame: pd.DataFrame) -> str:
         vs_fedavg_geo=("vs_fedavg", lambda g: float(np.exp(np.log(g).mean()))),
     )  # fmt: skip
     cells = per_seed.groupby([*CELL, "model"]).agg(
-        seeds=("geo", "size"), lr=("factor", "first"), pooled_lr=("pooled_factor", "first"),
+        seeds=("geo", "size"), lr=("factor", "first"), emb=("emb", "first"),
+        pooled_lr=("pooled_factor", "first"),
         pooled_emb=("pooled_emb", "first"),
         geo_mean=("geo", "mean"), geo_worst=("geo", "max"), site_mean=("worst", "mean"),
         site_worst=("worst", "max"), geo_x1_mean=("geo_x1", "mean"),
