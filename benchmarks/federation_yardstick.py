@@ -14,15 +14,22 @@ vocab rows and server optimizer state) and the perplexity from fedtune.evaluate.
 score). The settings come from config/config.yaml (the demo) through fedtune.core.config, with the
 cell's sites, rounds, steps and strategy; nothing here trains or merges by itself.
 
-The yardstick is tuned: the pooled model and every strategy run at the same grid of learning rates
-(--lr-factors times the config's lr; the train section has no embedding/head multiplier to sweep), and
-each is read at its own best (lowest geometric mean perplexity over the sites). The CSV holds every
-grid point (`lr` column); benchmarks/results/federation/yardstick.md summarises. On the confirmation
-half nothing is swept: each model runs once at the factor it won on the tuning half (--chosen).
+The yardstick is tuned: the pooled model sweeps --pooled-lr-factors (times the config's lr) crossed
+with --pooled-embedding-factors (train.embedding_lr_factor, the embedding and LM-head rows' lr
+multiplier, set on the pooled TrainOptions as federation.pooled_embedding_lr_factors sets it); the
+strategies sweep --lr-factors crossed with --embedding-factors (the sites' train.embedding_lr_factor,
+1 unless asked: the default strategy's vocab step is what gives those rows a larger step). Each model
+is read at its own best point (lowest geometric mean perplexity over the sites). The CSV holds every
+grid point (`lr_factor`, `embedding_factor` columns; a CSV written before the embedding factor reads
+as 1); benchmarks/results/federation/yardstick.md summarises. On the confirmation half nothing is
+swept: each model runs once at the point it won on the tuning half (--chosen).
 
-Partial participation (--participation < 1) samples the round's sites with `sample_sites` below, a
-stand-in until the product's federation.participation lands: then the aggregate's weights and token
-counts take only the sampled sites, as aggregate() does with the folders it is given.
+Partial participation (--participation < 1) is the product's federation.participation: the cell's
+config sets it, build_run_config draws each round's sites (fedtune.core.config.sample_participants,
+seeded by train.seed, here the cell's seed) and the benchmark trains and merges RunConfig.round_sites(r)
+only. The pooled model's token count is the product's too (federation.pooled_baseline's max_steps from
+the same draw): as many blocks as the sampled sites trained over all rounds, so at half participation
+half of what every site's every round would be.
 """
 
 from __future__ import annotations
@@ -32,8 +39,8 @@ import copy
 import dataclasses
 import json
 import math
-import random
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -58,17 +65,17 @@ STRATEGIES = {
 }
 
 
-def sample_sites(sites: list[str], fraction: float, seed: int, round_: int) -> list[str]:
-    """The sites that train in round `round_`: ceil(fraction x sites) of them, drawn without
-    replacement, the same draw for the same seed and round (a stand-in for federation.participation)."""
-    if fraction >= 1:
-        return list(sites)
-    k = max(1, math.ceil(fraction * len(sites)))
-    return sorted(random.Random(f"{seed}-{round_}").sample(list(sites), k))
-
-
-def cell_config(sites: list[str], data: Path, rounds: int, steps: int, seed: int, strategy: str) -> dict:
-    """The demo's config with the cell's sites (their text in `data`), rounds, steps, seed and strategy."""
+def cell_config(
+    sites: list[str],
+    data: Path,
+    rounds: int,
+    steps: int,
+    seed: int,
+    strategy: str,
+    participation: float = 1.0,
+) -> dict:
+    """The demo's config with the cell's sites (their text in `data`), rounds, steps, seed, strategy and
+    participation (a fraction of the sites each round; 1: every site, federation.participation null)."""
     config = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
     template = next(iter(config["sites"].values()))
     config["sites"] = {}
@@ -85,6 +92,7 @@ def cell_config(sites: list[str], data: Path, rounds: int, steps: int, seed: int
     )  # fmt: skip
     config["evaluate"]["stride"] = config["evaluate"]["max_length"]
     config["federation"]["rounds"] = rounds
+    config["federation"]["participation"] = None if participation >= 1 else float(participation)
     config["aggregate"] = copy.deepcopy(STRATEGIES[strategy])
     return config
 
@@ -98,12 +106,7 @@ class Cell:
         self.data = {s.name: s for s in family_sites}
         self.sites = list(self.data)
         self._write_text()
-        self.run = {
-            name: fconfig.build_run_config(
-                cell_config(self.sites, work / "text", args.rounds, args.steps, seed, name), base_dir=ROOT
-            )
-            for name in args.strategies
-        }
+        self.run = cell_runs(self.sites, work / "text", args, seed)
         self.base = work / "base"
         self._base_model()
         self.manifests = self._tokenize()
@@ -162,7 +165,15 @@ class Cell:
             out=out, optimizer_in=optimizer[0] if optimizer else None,
             optimizer_out=optimizer[1] if optimizer else None,
         )  # fmt: skip
-        if train(job, options, plan) != 0:
+        # train() installs the train stage's SIGTERM/SIGUSR1 handlers (checkpoint, then exit) and leaves
+        # them, since its CLI exits next; restored here, or a SIGTERM between two trainings is lost.
+        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+        try:
+            status = train(job, options, plan)
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+        if status != 0:
             raise SystemExit(f"error: training {site} stopped early")
         return out
 
@@ -181,30 +192,29 @@ class Cell:
             result[site] = math.exp(nll / scored)
         return result
 
-    def pooled(self, factor: float) -> dict[str, float]:
-        run = next(iter(self.run.values()))
-        options = dataclasses.replace(run.pooled, lr=run.pooled.lr * factor)
+    def pooled(self, factor: float, embedding: float = 1.0) -> dict[str, float]:
         from fedtune.train.loop import RoundPlan
 
-        out = self.work / f"pooled-x{factor:g}"
+        options = pooled_options(next(iter(self.run.values())), factor, embedding)
+        out = self.work / f"pooled-x{factor:g}-emb{embedding:g}"
         self.train("pooled", self.base, [self.manifests[s] for s in self.sites], options, RoundPlan(), out)
         result = self.perplexity(out)
         shutil.rmtree(out)
         return result
 
-    def federate(self, strategy: str, factor: float) -> dict[str, float]:
+    def federate(self, strategy: str, factor: float, embedding: float = 1.0) -> dict[str, float]:
         from fedtune.train.loop import RoundPlan
 
         run = self.run[strategy]
-        root = self.work / f"{strategy}-x{factor:g}"
+        root = self.work / f"{strategy}-x{factor:g}-emb{embedding:g}"
         start, state = self.base, None
         keep = run.site_optimizer == "keep"
         for r in range(1, run.rounds + 1):
             plan = RoundPlan(r, run.rounds, run.lr_schedule)
             trained = {}
-            for site in sample_sites(self.sites, self.args.participation, self.seed, r):
+            for site in run.round_sites(r):
                 options = run.sites[site].train
-                options = dataclasses.replace(options, lr=options.lr * factor)
+                options = dataclasses.replace(options, lr=options.lr * factor, embedding_lr_factor=embedding)
                 moments = None
                 if keep:
                     previous = root / "optimizer" / site
@@ -226,6 +236,25 @@ class Cell:
         result = self.perplexity(start)
         shutil.rmtree(root)
         return result
+
+
+def cell_runs(sites: list[str], data: Path, args, seed: int) -> dict:
+    """Each strategy's RunConfig for the cell, built by the product from the demo's config."""
+    return {
+        name: fconfig.build_run_config(
+            cell_config(sites, data, args.rounds, args.steps, seed, name, args.participation), base_dir=ROOT
+        )
+        for name in args.strategies
+    }
+
+
+def pooled_options(run, lr_factor: float, embedding_factor: float):
+    """The pooled model's TrainOptions at one grid point: the product's pooled baseline (its token count
+    included) with the lr and the embedding/head lr factor set as federation.pooled_lr_factors and
+    pooled_embedding_lr_factors set them."""
+    return dataclasses.replace(
+        run.pooled, lr=run.pooled.lr * lr_factor, embedding_lr_factor=float(embedding_factor)
+    )
 
 
 def merge_round(models: dict, out: Path, options, manifests: dict, start: Path, state_in, state_out) -> dict:
@@ -254,16 +283,25 @@ def run_cell(args, seed: int) -> list[dict]:
     chosen = _chosen(args)
     models = [("pooled", None)] + [(s, s) for s in args.strategies]
     for model, strategy in models:
-        factors = [chosen[model]] if chosen else args.lr_factors
-        for factor in factors:
+        if chosen:
+            points = [chosen[model]]
+        elif strategy is None:
+            points = [(f, e) for f in args.pooled_lr_factors for e in args.pooled_embedding_factors]
+        else:
+            points = [(f, e) for f in args.lr_factors for e in args.embedding_factors]
+        for factor, embedding in points:
             t0 = time.time()
-            ppl = cell.pooled(factor) if strategy is None else cell.federate(strategy, factor)
+            if strategy is None:
+                ppl = cell.pooled(factor, embedding)
+            else:
+                ppl = cell.federate(strategy, factor, embedding)
             base_lr = next(iter(cell.run.values())).pooled.lr
             for site, value in ppl.items():
-                rows.append({**label, "model": model, "lr_factor": factor, "lr": base_lr * factor,
-                             "site": site, "topic": cell.data[site].topic, "perplexity": value})  # fmt: skip
-            print(f"  seed {seed} {model} x{factor:g}: geo {_geo(ppl.values()):.2f} ({time.time() - t0:.0f} s)",
-                  flush=True)  # fmt: skip
+                rows.append({**label, "model": model, "lr_factor": factor, "embedding_factor": embedding,
+                             "lr": base_lr * factor, "site": site, "topic": cell.data[site].topic,
+                             "perplexity": value})  # fmt: skip
+            print(f"  seed {seed} {model} x{factor:g} emb x{embedding:g}: geo {_geo(ppl.values()):.2f} "
+                  f"({time.time() - t0:.0f} s)", flush=True)  # fmt: skip
             _append(args.out_csv, rows[-len(ppl) :])
     shutil.rmtree(work)
     print(f"cell seed {seed}: {time.time() - started:.0f} s", flush=True)
@@ -275,17 +313,36 @@ def _geo(values) -> float:
     return float(np.exp(np.mean(np.log(values))))
 
 
-def _chosen(args) -> dict[str, float] | None:
-    """--chosen: each model's best factor on the tuning half (lowest geometric mean over its sites,
-    averaged over the seeds), from the tuning CSVs."""
-    if not args.chosen:
-        return None
-    frame = pd.concat([pd.read_csv(p) for p in args.chosen])
-    frame = frame[frame.half == "tuning"]
-    frame["log"] = np.log(frame.perplexity)
-    means = frame.groupby(["model", "lr_factor", "sites", "split", "participation", "seed"])["log"].mean()
-    best = means.groupby(["model", "lr_factor"]).mean().reset_index()
-    return {m: float(g.sort_values("log").lr_factor.iloc[0]) for m, g in best.groupby("model")}
+POINT = ["lr_factor", "embedding_factor"]
+
+
+def read_results(paths) -> pd.DataFrame:
+    """The benchmark's CSVs as one frame; rows written before the embedding factor existed read as 1.
+    A grid point measured in two CSVs (the same cell, seed, model, point and site: the runs are
+    deterministic) counts once, the first CSV's."""
+    frames = []
+    for path in paths:
+        frame = pd.read_csv(path)
+        if "embedding_factor" not in frame:
+            frame["embedding_factor"] = 1.0
+        frames.append(frame)
+    frame = pd.concat(frames, ignore_index=True)
+    return frame.drop_duplicates([*CELL, "seed", "model", *POINT, "site"], ignore_index=True)
+
+
+def chosen_points(frame: pd.DataFrame) -> dict[str, tuple[float, float]]:
+    """Each model's best (lr factor, embedding factor) on the tuning half: the lowest geometric mean
+    over its sites, averaged over the cells and seeds."""
+    frame = frame[frame.half == "tuning"].assign(log=lambda f: np.log(f.perplexity))
+    means = frame.groupby(["model", *POINT, "sites", "split", "participation", "seed"])["log"].mean()
+    best = means.groupby(["model", *POINT]).mean().reset_index()
+    winners = best.loc[best.groupby("model")["log"].idxmin()]
+    return {row.model: (float(row.lr_factor), float(row.embedding_factor)) for row in winners.itertuples()}
+
+
+def _chosen(args) -> dict[str, tuple[float, float]] | None:
+    """--chosen: each model's best grid point on the tuning half, from the tuning CSVs."""
+    return chosen_points(read_results(args.chosen)) if args.chosen else None
 
 
 def _append(path: Path, rows: list[dict]) -> None:
@@ -298,21 +355,26 @@ CELL = ["half", "split", "sites", "participation", "rounds", "steps"]
 
 
 def best_factors(frame: pd.DataFrame) -> pd.DataFrame:
-    """Each model's best lr factor in each cell: the lowest mean log perplexity over sites and seeds."""
+    """Each model's best grid point (lr factor, embedding factor) in each cell: the lowest mean log
+    perplexity over sites and seeds."""
     frame = frame.assign(log=np.log(frame.perplexity))
-    means = frame.groupby([*CELL, "model", "lr_factor"], as_index=False)["log"].mean()
-    return means.loc[means.groupby([*CELL, "model"])["log"].idxmin(), [*CELL, "model", "lr_factor"]]
+    means = frame.groupby([*CELL, "model", *POINT], as_index=False)["log"].mean()
+    return means.loc[means.groupby([*CELL, "model"])["log"].idxmin(), [*CELL, "model", *POINT]]
 
 
 def gaps(frame: pd.DataFrame) -> pd.DataFrame:
     """Per cell, strategy, seed and site: the gap to the best pooled model of the grid (each model at
-    its own best factor), the gap to the pooled model at the sites' lr (x1), and the ratio to FedAvg."""
+    its own best point), the gap to the pooled model at the sites' settings (lr x1, embedding x1), and
+    the ratio to FedAvg."""
     best = best_factors(frame)
-    at_best = frame.merge(best, on=[*CELL, "model", "lr_factor"])
+    at_best = frame.merge(best, on=[*CELL, "model", *POINT])
     keys = [*CELL, "seed", "site"]
-    pooled = at_best[at_best.model == "pooled"][[*keys, "perplexity", "lr_factor"]]
-    pooled = pooled.rename(columns={"perplexity": "pooled_best", "lr_factor": "pooled_factor"})
-    pooled_x1 = frame[(frame.model == "pooled") & (frame.lr_factor == 1)][[*keys, "perplexity"]]
+    pooled = at_best[at_best.model == "pooled"][[*keys, "perplexity", *POINT]]
+    pooled = pooled.rename(
+        columns={"perplexity": "pooled_best", "lr_factor": "pooled_factor", "embedding_factor": "pooled_emb"}
+    )
+    x1 = (frame.model == "pooled") & (frame.lr_factor == 1) & (frame.embedding_factor == 1)
+    pooled_x1 = frame[x1][[*keys, "perplexity"]]
     fedavg = at_best[at_best.model == "fedavg"][[*keys, "perplexity"]].rename(
         columns={"perplexity": "fedavg"}
     )
@@ -329,17 +391,22 @@ def gaps(frame: pd.DataFrame) -> pd.DataFrame:
 def summarise(frame: pd.DataFrame) -> str:
     """The Markdown table of yardstick.md: per cell and strategy, over seeds, the geometric mean and the
     worst site's gap (mean over seeds, worst seed), against the best pooled model and the pooled model
-    at x1, and the worst site's ratio to FedAvg."""
+    at x1, and the worst site's ratio to FedAvg; `lr` / `emb` the strategy's winning point, `pooled_lr` /
+    `pooled_emb` the pooled model's."""
     rows = gaps(frame)
     per_seed = rows.groupby([*CELL, "model", "seed"]).agg(
-        factor=("lr_factor", "first"), pooled_factor=("pooled_factor", "first"),
+        factor=("lr_factor", "first"), emb=("embedding_factor", "first"),
+        pooled_factor=("pooled_factor", "first"),
+        pooled_emb=("pooled_emb", "first"),
         geo=("gap", lambda g: float(np.exp(np.log(g).mean()))), worst=("gap", "max"),
         geo_x1=("gap_x1", lambda g: float(np.exp(np.log(g).mean()))),
         vs_fedavg=("vs_fedavg", "max"),
         vs_fedavg_geo=("vs_fedavg", lambda g: float(np.exp(np.log(g).mean()))),
     )  # fmt: skip
     cells = per_seed.groupby([*CELL, "model"]).agg(
-        seeds=("geo", "size"), lr=("factor", "first"), pooled_lr=("pooled_factor", "first"),
+        seeds=("geo", "size"), lr=("factor", "first"), emb=("emb", "first"),
+        pooled_lr=("pooled_factor", "first"),
+        pooled_emb=("pooled_emb", "first"),
         geo_mean=("geo", "mean"), geo_worst=("geo", "max"), site_mean=("worst", "mean"),
         site_worst=("worst", "max"), geo_x1_mean=("geo_x1", "mean"),
         vs_fedavg_geo=("vs_fedavg_geo", "mean"), vs_fedavg_worst=("vs_fedavg", "max"),
@@ -356,7 +423,21 @@ def main(argv=None) -> int:
     parser.add_argument("--iid", action="store_true", help="the IID control: the same text dealt at random")
     parser.add_argument("--participation", type=float, default=1.0, help="fraction of sites each round")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--lr-factors", type=float, nargs="+", default=[1.0, 2.0, 4.0])
+    parser.add_argument(
+        "--lr-factors", type=float, nargs="+", default=[1.0, 2.0, 4.0], help="the strategies' lr grid"
+    )
+    parser.add_argument(
+        "--embedding-factors", type=float, nargs="+", default=[1.0],
+        help="the strategies' embedding/head lr factors (the sites' train.embedding_lr_factor), crossed with --lr-factors",
+    )  # fmt: skip
+    parser.add_argument(
+        "--pooled-lr-factors", type=float, nargs="+", default=[0.25, 0.5, 1.0, 2.0, 4.0],
+        help="the pooled model's lr grid (times the config's lr)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--pooled-embedding-factors", type=float, nargs="+", default=[1.0, 2.0, 4.0, 8.0, 16.0],
+        help="the pooled model's embedding/head lr factors (train.embedding_lr_factor), crossed with its lr grid",
+    )  # fmt: skip
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps", type=int, default=4)
@@ -369,7 +450,7 @@ def main(argv=None) -> int:
     parser.add_argument("--summarise", type=Path, nargs="+", help="print yardstick.md's table of these CSVs")
     args = parser.parse_args(argv)
     if args.summarise:
-        print(summarise(pd.concat([pd.read_csv(p) for p in args.summarise])))
+        print(summarise(read_results(args.summarise)))
         return 0
     if args.out_csv is None:
         parser.error("--out-csv: needed to run cells")

@@ -314,3 +314,74 @@ def test_status_waits_only_for_the_sampled_sites(tmp_path):
     assert listed == [(r, s) for r, sites in enumerate(expected, start=1) for s in sites]
     assert layout.evaluated(2) == (*expected[1], "aggregate")
     assert status["rounds"][-1]["evaluations_expected"] == 3 * 4  # 2 sites + aggregate, on 4 test sets
+
+
+# ---------------------------------------------------------------------------------------------------
+# The yardstick benchmark (benchmarks/federation_yardstick.py) on these features
+
+
+def _benchmark():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import federation_yardstick
+
+    return federation_yardstick
+
+
+def test_the_benchmark_samples_with_the_product_and_pools_only_the_trained_blocks(tmp_path):
+    """16 sites at half participation: each round trains the product's draw (seeded by the cell's seed),
+    and the pooled model trains as many blocks as those sites did, not every site's every round; its
+    grid point sets lr and train.embedding_lr_factor on the product's pooled options."""
+    from argparse import Namespace
+
+    bench = _benchmark()
+    sites = [f"s{k:02d}" for k in range(16)]
+    for site in sites:
+        (tmp_path / site).mkdir()
+        for split in ("train", "test"):
+            (tmp_path / site / f"{split}.jsonl").write_text('{"text": "x"}\n')
+    args = Namespace(rounds=4, steps=4, participation=0.5, strategies=["default"])
+    run = bench.cell_runs(sites, tmp_path, args, seed=3)["default"]
+    drawn = [run.round_sites(r) for r in range(1, 5)]
+    assert drawn == list(sample_participants(sites, 8, 4, seed=3))
+    assert all(len(d) == 8 for d in drawn) and len(set(drawn)) > 1
+    assert run.pooled.max_steps == 4 * 8 * 4  # rounds x sampled sites x steps (same batch), not 4 x 16 x 4
+    point = bench.pooled_options(run, 0.25, 2.0)
+    assert (point.lr, point.embedding_lr_factor) == (pytest.approx(run.pooled.lr / 4), 2.0)
+    assert point.max_steps == run.pooled.max_steps
+    full = bench.cell_runs(sites, tmp_path, Namespace(**{**vars(args), "participation": 1.0}), seed=3)
+    assert full["default"].participants == () and full["default"].pooled.max_steps == 4 * 16 * 4
+
+
+def test_the_benchmark_reads_the_pooled_models_best_lr_and_embedding_pair(tmp_path):
+    """The pooled model is read at its best (lr, embedding) pair, chosen for the confirmation half as a
+    pair; the old yardstick (x1, x1) stays the gap_x1 column; a CSV from before the embedding factor
+    reads as 1."""
+    bench = _benchmark()
+    cell = dict(half="tuning", split="topic", sites=2, participation=1.0, rounds=4, steps=4, seed=0)
+    rows = []
+    for model, lr_factor, embedding, ppl in [
+        ("pooled", 1.0, 1.0, 40.0),
+        ("pooled", 0.5, 2.0, 20.0),  # the best pooled point: a lower lr with a larger embedding step
+        ("pooled", 0.5, 1.0, 30.0),
+        ("default", 1.0, 1.0, 25.0),
+    ]:
+        for site in ("a", "b"):
+            rows.append({**cell, "model": model, "lr_factor": lr_factor, "embedding_factor": embedding,
+                         "site": site, "perplexity": ppl})  # fmt: skip
+    new = tmp_path / "new.csv"
+    pd.DataFrame(rows).to_csv(new, index=False)
+    old = tmp_path / "old.csv"
+    pd.DataFrame([{**r, "half": "confirmation"} for r in rows if r["embedding_factor"] == 1]).drop(
+        columns="embedding_factor"
+    ).to_csv(old, index=False)
+    frame = bench.read_results([new, old, new])  # a point in two CSVs counts once
+    assert len(frame) == len(rows) + len(pd.read_csv(old))
+    assert (frame[frame.half == "confirmation"].embedding_factor == 1).all()
+    assert bench.chosen_points(frame) == {"pooled": (0.5, 2.0), "default": (1.0, 1.0)}
+    gaps = bench.gaps(frame[frame.half == "tuning"])
+    assert set(gaps.model) == {"default"}
+    assert list(gaps.gap) == [pytest.approx(1.25)] * 2 and list(gaps.gap_x1) == [pytest.approx(0.625)] * 2
+    assert (gaps.pooled_factor == 0.5).all() and (gaps.pooled_emb == 2.0).all()
