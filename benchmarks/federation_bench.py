@@ -44,6 +44,7 @@ import copy
 import json
 import math
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -55,6 +56,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import federation_sets as sets  # noqa: E402
+from federation_exchange import Exchange  # noqa: E402
 
 from fedtune.aggregate import server_optimizers  # noqa: E402
 from fedtune.aggregate.merge import normalised, resolve_weights  # noqa: E402
@@ -256,8 +258,12 @@ class Bench:
         path.write_text(json.dumps(result))
         return result
 
-    def federate(self, config: dict, label: str, scaffold: float = 0.0) -> list[dict]:
+    def federate(
+        self, config: dict, label: str, scaffold: float = 0.0, work: Path | None = None
+    ) -> list[dict]:
         """Every round of one strategy: rows (round, site, perplexity) of each round's aggregate.
+        With federation.exchange compressed (--exchange), each round's models cross through the
+        product's codec both ways, as files in `work` (benchmarks/federation_exchange.py).
         `scaffold` > 0: SCAFFOLD's control variates (Karimireddy et al. 2020), a prototype that is no
         pipeline setting: site i's c_i is the mean raw gradient of its previous round's steps, c = sum_i
         w_i c_i, and every local step adds scaffold x (c - c_i) to the gradient."""
@@ -269,6 +275,13 @@ class Bench:
         keep = run.site_optimizer == "keep"
         moments = {site: {} for site in self.sites}
         controls = {site: {} for site in self.sites}
+        exchange = start_dir = None
+        if run.exchange.compressed:
+            if work is None:
+                raise SystemExit("error: a compressed federation.exchange needs a work folder for its files")
+            exchange = Exchange(run.exchange, self.model, self.tokenizer, work)
+            start_dir = exchange.save(self.base_state, Path(work) / "base")
+        self.exchange = exchange
         started = time.time()
         for r in range(1, run.rounds + 1):
             plan = RoundPlan(r, run.rounds, run.lr_schedule)
@@ -303,8 +316,12 @@ class Bench:
                     counts[site] = round_counts(
                         self.blocks[site], options, plan, options.max_steps, self.vocab
                     )
+            if exchange is not None:  # what the merge rebuilds from each site's compressed update
+                trained = {site: exchange.site(r, site, trained[site], start_dir) for site in self.sites}
             state, server_state = merge(state, trained, weights, aggregate.server_optimizer, server_state,
                                         counts, self.vocab_tensors, aggregate.vocab_factor(len(weights)))  # fmt: skip
+            if exchange is not None:  # the aggregate back, compressed: every site continues from it
+                state, start_dir = exchange.aggregate(r, state, start_dir)
             # Scored after rounds 1, R/2 and R from scratch; only after R in the slow fine-tuning regimes.
             if r == run.rounds or (self.regime == "scratch" and r in (1, run.rounds // 2)):
                 for site, value in self.perplexity(state).items():
@@ -376,7 +393,14 @@ def run(args) -> int:
             candidate or {}, {"aggregate": {"server_optimizer": json.loads(args.server)}}
         )
     strategies = list(args.strategies) + (["candidate"] if candidate is not None else [])
-    out = args.out / f"{args.regime}-{args.half}.csv"
+    exchange = None
+    if args.exchange:  # validated as the pipeline does, with the config (build_run_config)
+        exchange = json.loads(args.exchange)
+        options = fconfig.ExchangeOptions.from_mapping(exchange, "--exchange")
+        suffix = options.dtype + ("+ef" if options.keeps_residual else "")
+    out = args.out / (
+        f"{args.regime}-exchange-{args.half}.csv" if exchange else f"{args.regime}-{args.half}.csv"
+    )
     frames = [pd.read_csv(out)] if out.is_file() else []
     for name in names:
         if name not in half_sets:
@@ -389,7 +413,16 @@ def run(args) -> int:
             config = strategy_config(bench.base_config, strategy, candidate)
             if args.scaffold:
                 label = f"{label}+scaffold{args.scaffold:g}"
-            rows = pd.DataFrame(bench.federate(config, label, args.scaffold))
+            if exchange is not None:
+                config["federation"]["exchange"] = exchange
+                label = f"{label}+{suffix}"
+            with tempfile.TemporaryDirectory(prefix="fedbench-exchange-") as work:
+                rows = pd.DataFrame(bench.federate(config, label, args.scaffold, Path(work)))
+            if exchange is not None:  # bytes that crossed, both ways, against the models they stand for
+                sent = pd.DataFrame(bench.exchange.bytes) if bench.exchange else None
+                rows["sent_ratio"] = (
+                    sent.update_bytes.sum() / sent.model_bytes.sum() if sent is not None else 1.0
+                )
             rows["gap"] = [p / pooled[s] for p, s in zip(rows.perplexity, rows.site, strict=True)]
             rows["pooled"] = [pooled[s] for s in rows.site]
             rows.insert(0, "strategy", label)
@@ -464,6 +497,13 @@ def main(argv=None) -> int:
         '\'{"federation": {"site_optimizer": "keep"}}\'',
     )
     parser.add_argument("--label", help="the candidate's name in the table")
+    parser.add_argument(
+        "--exchange",
+        help="federation.exchange (JSON) for every strategy of the run, e.g. "
+        '\'{"dtype": "int8", "error_feedback": true}\': each round\'s updates and aggregate cross through '
+        "the product's codec, as files (benchmarks/federation_exchange.py); writes "
+        "<regime>-exchange-<half>.csv, the strategy's name followed by +<dtype>[+ef]",
+    )
     parser.add_argument("--text", type=Path, default=ROOT / ".cache" / "fedbench" / "text")
     parser.add_argument("--cache", type=Path, default=ROOT / ".cache" / "fedbench")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "federation")

@@ -242,3 +242,50 @@ def test_cli_refuses_a_bad_crossing(tmp_path):
     assert result.stderr.strip() == (
         "fedtune.report.cost: error: --crossing: 'one:a=b' is not ROUND:MAKER:RECEIVER=ITEM"
     )
+
+
+def test_a_compressed_exchange_counts_each_update_both_ways(tmp_path, monkeypatch):
+    """federation.exchange int8, the aggregating cluster's view: what the report rule passes as crossings
+    (fedtune.core.crossings) is beta's update up and the aggregate's update back, and the table counts
+    each as its update's files, never the model folders beside them."""
+    from fedtune.core.config import build_run_config
+    from fedtune.core.crossings import crossing_items
+
+    from .test_data_stays import two_clusters
+
+    config = two_clusters(private=(), aggregate_on="leo", rounds=2, exchange={"dtype": "int8"})
+    config["cluster"] = "leo"
+    crossings = [
+        cost.CrossingItem(c.round, c.maker, c.receiver, c.item)
+        for c in crossing_items(build_run_config(config))
+        if c.round > 0  # as report.smk: the manifests are data, not a round's exchange
+    ]
+    assert {
+        ("round-1/beta/update", "karo", "leo"),
+        ("round-1/aggregate/update", "leo", "karo"),
+    } <= {(c.item, c.maker, c.receiver) for c in crossings}  # and a score made at karo, not written here
+    run, t0 = tmp_path / "run", 1_800_000_000.0
+    for r in (1, 2):
+        _item(run, f"round-{r}/beta/model", {"model.safetensors": 10_000}, t0)
+        _item(run, f"round-{r}/beta/update", {"model.safetensors": 2_600 + r, "update.json": 40}, t0)
+        _item(run, f"round-{r}/aggregate/model", {"model.safetensors": 10_000}, t0)
+        # The aggregate's update leaves through the outbox, its marker listing what travels.
+        marker = _item(
+            run / "exchange" / "outbox", f"round-{r}/aggregate/update", {"model.safetensors": 2_700 + r}, t0
+        )
+        (run / "exchange" / "outbox" / f"round-{r}" / "aggregate" / "update.COMPLETE").write_text(marker)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sacct: no Slurm job here
+    settings = {"cluster": "leo", "sites": {"alpha": {"cluster": "leo"}, "beta": {"cluster": "karo"}}}
+    paths = cost.cost_report(run, run / "report", settings=settings, crossings=crossings)
+    table = pd.read_csv(paths["cost.csv"]).set_index(["round", "cluster"])
+    assert table.loc[(1, "leo"), "bytes_received"] == 2_641 and table.loc[(1, "leo"), "bytes_sent"] == 2_701
+    assert table.loc[(1, "karo"), "bytes_sent"] == 2_641 and table.loc[(1, "karo"), "bytes_received"] == 2_701
+    items = pd.read_csv(paths["cost_items.csv"]).set_index("item")
+    assert items.loc["round-1/aggregate/update", "bytes"] == 2_701
+    assert (
+        items.loc["round-1/aggregate/update", "counted_from"]
+        == "exchange/outbox/round-1/aggregate/update.COMPLETE"
+    )
+    for c in crossings:  # each round's aggregate that goes back is counted from its update
+        if c.maker == "leo":
+            assert items.loc[c.item, "bytes"] == 2_700 + c.round

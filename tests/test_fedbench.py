@@ -105,3 +105,64 @@ def test_checkpoint_writer_group_follows_a_new_world(tmp_path, monkeypatch):
         finally:
             dist.destroy_process_group()
     assert groups[0] is not groups[1]
+
+
+def test_benchmark_exchange_is_the_workflows_codec_bit_for_bit(tmp_path, tiny_model_dir):
+    """federation_bench.py --exchange: two rounds of a site's update and the aggregate's, each the bits
+    that `python -m fedtune.core.updates compress` then `decode` (what compress_update, decode_site_model,
+    compress_aggregate and decode_aggregate run) give from the same model folders, the residual of the
+    round before included."""
+    import federation_exchange
+    import torch
+    from safetensors.torch import load_file
+
+    from fedtune.core import updates
+    from fedtune.core.config import ExchangeOptions
+    from fedtune.core.models import load_causal_lm, load_tokenizer, save_model
+
+    model, tokenizer = load_causal_lm(tiny_model_dir), load_tokenizer(tiny_model_dir)
+    options = ExchangeOptions(dtype="int8", error_feedback=True)
+    bench = federation_exchange.Exchange(options, model, tokenizer, tmp_path / "bench")
+    base = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    start = bench_start = bench.save(base, tmp_path / "base")
+    g = torch.Generator().manual_seed(0)
+
+    def moved(state):  # a training round's change: small, and not on int8's grid
+        return {k: v + 1e-3 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
+                for k, v in state.items()}  # fmt: skip
+
+    def product(r, item, state, start):
+        """The rules' commands on the same model folder: the rebuilt weights, and the new start."""
+        folder = tmp_path / "cli" / f"round-{r}" / item
+        model.load_state_dict(state)
+        save_model(model, tokenizer, folder / "model")
+        residual = ["--residual-out", str(folder / "residual")]
+        if r > 1:
+            residual += ["--residual-in", str(tmp_path / "cli" / f"round-{r - 1}" / item / "residual")]
+        assert updates.main(["compress", "--model", str(folder / "model"), "--start", str(start),
+                             "--options", options.to_json(), *residual, "--out", str(folder / "update")]) == 0  # fmt: skip
+        assert updates.main(["decode", "--update", str(folder / "update"), "--start", str(start),
+                             "--out", str(folder / "rebuilt")]) == 0  # fmt: skip
+        return load_file(folder / "rebuilt" / "model.safetensors"), folder / "rebuilt"
+
+    state = base
+    for r in (1, 2):
+        trained = moved(state)
+        site = bench.site(r, "a", trained, bench_start)
+        expected, _ = product(r, "a", trained, start)
+        assert expected and all(torch.equal(site[name], t) for name, t in expected.items())
+        # The codec did round: the merge sees what was sent, not what was trained.
+        assert not torch.equal(
+            site["model.layers.0.mlp.up_proj.weight"], trained["model.layers.0.mlp.up_proj.weight"]
+        )
+        merged = moved(site)
+        state, bench_start = bench.aggregate(r, merged, bench_start)
+        expected, start = product(r, "aggregate", merged, start)
+        assert all(torch.equal(state[name], t) for name, t in expected.items())
+    assert [(b["round"], b["item"]) for b in bench.bytes] == [
+        (1, "a"),
+        (1, "aggregate"),
+        (2, "a"),
+        (2, "aggregate"),
+    ]
+    assert all(b["update_bytes"] < b["model_bytes"] / 3 for b in bench.bytes)  # int8 of a float32 model
