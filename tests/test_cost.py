@@ -274,10 +274,19 @@ def test_a_compressed_exchange_counts_each_update_both_ways(tmp_path, monkeypatc
             run / "exchange" / "outbox", f"round-{r}/aggregate/update", {"model.safetensors": 2_700 + r}, t0
         )
         (run / "exchange" / "outbox" / f"round-{r}" / "aggregate" / "update.COMPLETE").write_text(marker)
+    # Compressing the aggregate's update counts as the exchange's time (transfer_s), in its round.
+    _record(
+        run / "logs" / "jobs",
+        "fedtune.core.updates",
+        ["compress", "--out", "round-1/aggregate/update"],
+        t0,
+        30,
+    )
     monkeypatch.setenv("PATH", str(tmp_path))  # no sacct: no Slurm job here
     settings = {"cluster": "leo", "sites": {"alpha": {"cluster": "leo"}, "beta": {"cluster": "karo"}}}
     paths = cost.cost_report(run, run / "report", settings=settings, crossings=crossings)
     table = pd.read_csv(paths["cost.csv"]).set_index(["round", "cluster"])
+    assert table.loc[(1, "leo"), "transfer_s"] == 30
     assert table.loc[(1, "leo"), "bytes_received"] == 2_641 and table.loc[(1, "leo"), "bytes_sent"] == 2_701
     assert table.loc[(1, "karo"), "bytes_sent"] == 2_641 and table.loc[(1, "karo"), "bytes_received"] == 2_701
     items = pd.read_csv(paths["cost_items.csv"]).set_index("item")

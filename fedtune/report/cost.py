@@ -68,6 +68,8 @@ STAGES = {
     "fedtune.evaluate": "evaluation",
     "fedtune.evaluate.downstream": "evaluation",
     "fedtune.core.transfer": "transfer",
+    # federation.exchange compressed: compressing an update and rebuilding a model are the exchange's cost.
+    "fedtune.core.updates": "transfer",
     "fedtune.tokenize": "prepare",
     "fedtune.download": "prepare",
 }
@@ -75,7 +77,7 @@ COST_CAPTION = (
     "What each round cost on each cluster. bytes_sent / bytes_received: the files the crossing items' "
     "completion markers list. Times are the commands' seconds, summed over a round's jobs (sites trained at "
     "once add up): prepare_s (download, tokenize: round 0), queue_s (Slurm: submit to start), training_s, "
-    "transfer_s (copying), wait_s (a fetch waiting for another cluster's item), merge_s, evaluation_s. "
+    "transfer_s (copying, and with a compressed exchange compressing and rebuilding), wait_s (a fetch waiting for another cluster's item), merge_s, evaluation_s. "
     "node_hours and gpu_hours: Slurm's accounting (elapsed x allocated nodes or GPUs) where the jobs ran "
     "under Slurm, else wall time x processes (node-hours) and x visible GPUs. energy_kwh: sacct's "
     f"ConsumedEnergy; '{NOT_MEASURED}' where the site gives none. accounting says which applies."
