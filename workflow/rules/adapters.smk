@@ -105,10 +105,12 @@ if MERGES_IN_TRAINING:
             round=r"[2-9]|[1-9]\d+",
         params:
             start=lambda wc, output: output.start,
-            score=score_before_training,
+            # The merge, then (evaluate.cross_site none) the scores of the start it made and of the
+            # site's previous adapter.
             merge=lambda wc, input, output: (
                 f"python -m fedtune.aggregate.adapters --merge {shlex.quote(input.adapter)}"
                 f" --base {shlex.quote(input.init)} --out {shlex.quote(output.start)}"
                 f" --options {shlex.quote(RUN.aggregate.merge_json())}"
                 f" >> {shlex.quote(log_path('train', f'round-{wc.round}', wc.site))} 2>&1 && "
+                + score_before_training(wc, input, output)
             ),

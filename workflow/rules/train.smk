@@ -55,14 +55,15 @@ rule train:
         checkpoints=lambda wc: run_path(f"round-{wc.round}", wc.site, "checkpoints"),
         # The model training starts from; train_merging makes it in the job first.
         start=lambda wc, input: input.init,
+        # What the job runs before training, each command ending in `&&`: train_merging's merge,
+        # train_scoring's scores (one param, so that the shell of every other training stays as it was).
         merge="",
-        score="",
         round_args=round_args,
         summary_only="",
         tracking=lambda wc: tracking_args(),
     shell:
         # Appended, not overwritten: a resumed attempt keeps the log of the one it continues.
-        '{params.merge}{params.score}"$FEDTUNE_LAUNCH" {params.launch} -- python -m fedtune.train --site {params.site}'
+        '{params.merge}"$FEDTUNE_LAUNCH" {params.launch} -- python -m fedtune.train --site {params.site}'
         " --init {params.start:q} --manifest {input.manifest:q} --options {params.options:q}"
         " --checkpoints {params.checkpoints:q} --out {output.model:q}"
         " {params.round_args} {params.summary_only} {params.tracking}"
@@ -91,7 +92,7 @@ if SCORED_BEFORE and not MERGES_IN_TRAINING:
             site=one_of(LOCAL_SITES),
             round=r"[2-9]|[1-9]\d+",
         params:
-            score=score_before_training,
+            merge=score_before_training,
 
 
 # The pooled baseline (federation.pooled_baseline): every site's training data at once, from the base
