@@ -85,8 +85,12 @@ def scored_in_training(run: RunConfig, model: str, site: str, round: int) -> boo
     one): its scores are evaluation jobs, in the round's group."""
     if run.sites[site].cluster == run.aggregate_on or int(round) >= run.rounds:
         return False
-    role = AGGREGATE if model == AGGREGATE else SITE if model == site else None
-    return role is not None and role in before_training(run)
+    return _role(model, site) in before_training(run)
+
+
+def _role(model: str, site: str) -> str | None:
+    """The role of `model` among the scores a training makes before it trains, None for any other."""
+    return AGGREGATE if model == AGGREGATE else SITE if model == site else None
 
 
 def before_training_path(site: str, round: int, role: str) -> str:
@@ -98,8 +102,8 @@ def before_training_path(site: str, round: int, role: str) -> str:
 def made_at(run: RunConfig, model: str, site: str, round: int = 0) -> str:
     """Where the score of `model` on `site`'s text is written on the cluster that makes it (on the
     cluster where the models meet it is fetched into `score_path`)."""
-    if model not in (BASE, POOLED) and scored_in_training(run, model, site, round):
-        return before_training_path(site, int(round) + 1, AGGREGATE if model == AGGREGATE else SITE)
+    if scored_in_training(run, model, site, round):
+        return before_training_path(site, int(round) + 1, _role(model, site))
     return score_path(model, site, round)
 
 

@@ -513,6 +513,8 @@ def cost_figure(table: pd.DataFrame, path: Path) -> None:
 
 def own_jobs(run: Path, cluster: str, sacct_timeout: float) -> tuple[pd.DataFrame, str]:
     """This cluster's commands with their accounting (jobs_table), and why sacct gave none ("" if it did)."""
+    if not run.is_dir():
+        raise ReportError(f"--run: {run} is not a folder")
     records = load_records(run / "logs" / "jobs")
     job_ids = [r["slurm_job_id"] for r in records if r.get("slurm_job_id")]
     accounting, note = slurm_accounting(job_ids, sacct_timeout)
@@ -547,8 +549,6 @@ def cost_report(
     sacct_timeout: float = 60,
 ) -> dict[str, Path]:
     run, out_dir = Path(run), Path(out_dir)
-    if not run.is_dir():
-        raise ReportError(f"--run: {run} is not a folder")
     settings = settings or {}
     sites = settings.get("sites") or {}
     named = {(site or {}).get("cluster") for site in sites.values()} - {None}
@@ -628,8 +628,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sacct-timeout", type=float, default=60, help="seconds sacct may take (default 60)")
     args = parser.parse_args(argv)
     if args.jobs_only:
-        if not Path(args.run).is_dir():
-            raise ReportError(f"--run: {args.run} is not a folder")
         jobs, _ = own_jobs(Path(args.run), args.jobs_only, args.sacct_timeout)
         write_text(Path(args.out), jobs.to_csv(index=False))
         print(f"report: {len(jobs)} commands of {args.jobs_only} -> {args.out}", file=sys.stderr)

@@ -225,7 +225,7 @@ def init_model_dir(round):
 # model on every cluster, and the next round starts from that with fresh adapters. Where the models meet
 # rule merge_adapter does it in the round's merge job; on the other clusters each training job of round
 # r >= 2 does it first (rule train_merging), so that a round costs one Slurm job per training there.
-from fedtune.core.crossings import uses_adapters
+from fedtune.core.crossings import cost_crossings, cost_part, uses_adapters
 
 ADAPTERS = uses_adapters(RUN)
 MERGES_IN_TRAINING = ADAPTERS and not aggregates_here()
@@ -271,9 +271,8 @@ def adapter_base(wildcards):
     if "model" not in wildcards.keys():
         return [base_model_dir()]  # the pooled baseline
     if wildcards.model not in SITES:
-        return (
-            []
-        )  # a merged model: the aggregate (merged here too, merge_adapter_here) or a method
+        # A merged model: the aggregate (merged on every cluster that scores it, merge_adapter) or a method.
+        return []
     if MERGES_IN_TRAINING:
         # Where the models do not meet: round r's start is train_merging's copy at the site.
         round = int(wildcards.round)
@@ -526,7 +525,7 @@ def sites_scored_here(model):
 def round_model_dir(round, model):
     """A model of round `round` by its name in the report: a site, aggregate or a compared method."""
     if model == "aggregate":
-        # With adapters, merged where it is scored (merge_adapter, merge_adapter_here).
+        # With adapters, merged where it is scored (merge_adapter, on every cluster that scores it).
         return aggregate_model_dir(round)
     if model in SITES:
         return site_model_dir(round, model)
@@ -584,7 +583,8 @@ def scored_previous_model(wildcards):
 
 
 def score_before_training(wildcards, input, output):
-    """The commands that make SCORE_OUTPUT, each followed by `&&`, for the train rule's shell."""
+    """The commands that make SCORE_OUTPUT, each followed by `&&`: what the training job runs before
+    training (the train rule's `merge` param, after train_merging's merge)."""
     if not SCORED_BEFORE:
         return ""
     site, round = wildcards.site, int(wildcards.round)

@@ -164,11 +164,7 @@ COST_CROSSINGS = " ".join(
 
 
 # The clusters where the models do not meet send their own accounting (their sacct) after their last job.
-COST_PARTS = [
-    run_path(item)
-    for item, maker, receiver, *_ in crossing_items()
-    if item.startswith("report/cost_jobs-") and receiver == HERE
-]
+COST_PARTS = [run_path(c.item) for c in cost_crossings(RUN) if c.receiver == HERE]
 
 
 rule report_cost:

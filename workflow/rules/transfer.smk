@@ -118,17 +118,8 @@ if aggregates_here() and SCORED_ELSEWHERE:
 
 # The report's cost table (fedtune.report.cost): a cluster where the models do not meet writes its own
 # commands with its own sacct accounting after everything else it makes, and sends it like a score.
-COST_PARTS_ELSEWHERE = sorted(
-    maker
-    for item, maker, *_ in crossing_items()
-    if item.startswith("report/cost_jobs-") and maker != HERE
-)
-COST_PART_HERE = [
-    item
-    for item, maker, *_ in crossing_items()
-    if maker == HERE and item.startswith("report/cost_jobs-")
-]
-if COST_PART_HERE:
+COST_PARTS_ELSEWHERE = [c.maker for c in cost_crossings(RUN) if c.maker != HERE]
+if HERE in {c.maker for c in cost_crossings(RUN)}:
 
     rule report_cost_part:
         input:
@@ -136,10 +127,10 @@ if COST_PART_HERE:
             [
                 run_path(item)
                 for item, maker, *_ in crossing_items()
-                if maker == HERE and item not in COST_PART_HERE
+                if maker == HERE and item != cost_part(HERE)
             ],
         output:
-            run_path(COST_PART_HERE[0]),
+            run_path(cost_part(HERE)),
         log:
             log_path("report", "cost-part"),
         localrule: True
@@ -161,16 +152,14 @@ if aggregates_here() and COST_PARTS_ELSEWHERE:
         input:
             after=aggregate_model_dir(ROUNDS[-1]),
         output:
-            run_path("report", "cost_jobs-{cluster}.csv"),
+            run_path(cost_part("{cluster}")),
         log:
             log_path("fetch_cost_part", "{cluster}"),
         wildcard_constraints:
             cluster=one_of(COST_PARTS_ELSEWHERE),
         localrule: True
         params:
-            args=lambda wc, output: receive_args(
-                f"report/cost_jobs-{wc.cluster}.csv", output[0]
-            ),
+            args=lambda wc, output: receive_args(cost_part(wc.cluster), output[0]),
 
 
 # A folder or file another cluster pulls: the sha256 list of its files, written once it is in place, and
