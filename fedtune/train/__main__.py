@@ -1,3 +1,4 @@
+from fedtune.train.distributed import leave
 from fedtune.train.loop import main
 
-raise SystemExit(main())
+leave(main())

@@ -3,10 +3,13 @@ torchrun (local or one per node), srun with one task per process, or a plain `py
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -104,6 +107,19 @@ def start(device_choice: str = "auto", timeout_minutes: int = 30) -> Job:
 def stop() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def leave(code: int) -> NoReturn:
+    """End a training process whose outputs are written (or whose checkpoint is, for 75) without the
+    interpreter's teardown. Objects that outlive destroy_process_group (DeepSpeed's and DeviceMesh's
+    handles on the gloo/NCCL backends) are otherwise destroyed during finalization, where a backend's
+    worker thread can abort the process ("terminate called without an active exception", SIGABRT;
+    pytorch/pytorch#179291) after every file is in place: the job would fail and Snakemake would throw
+    away a finished model. Nothing here needs finalization: no worker processes, trackers closed."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 def barrier() -> None:

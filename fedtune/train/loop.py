@@ -557,4 +557,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    distributed.leave(main())
