@@ -4,6 +4,7 @@
     python benchmarks/federation_yardstick.py --half tuning --sites 4 --iid --seeds 0 1 2
     python benchmarks/federation_yardstick.py --half tuning --sites 16 --participation 0.5 --seeds 0
     python benchmarks/federation_yardstick.py --half confirmation --sites 2 --chosen <tuning CSV>...
+    python benchmarks/federation_yardstick.py --regime finetune --half tuning --sets de-fr --seeds 0 1 2
 
 Each stage runs as the workflow runs it, in this process, through the function its CLI calls: the
 base model from fedtune.download.fetch.download_model (source: init), the sites' shards from
@@ -23,6 +24,14 @@ is read at its own best point (lowest geometric mean perplexity over the sites).
 grid point (`lr_factor`, `embedding_factor` columns; a CSV written before the embedding factor reads
 as 1); benchmarks/results/federation/yardstick.md summarises. On the confirmation half nothing is
 swept: each model runs once at the point it won on the tuning half (--chosen).
+
+Regimes: `scratch` (default) builds the demo's model from scratch on manual pages split into sites by
+topic (benchmarks/federation_corpora.py). `finetune` fine-tunes SmolLM2-135M-Instruct's full weights from
+its GGUF file (scripts/fetch-smollm2; the product's gguf download, converted once into --work) with the
+settings of config/examples/smollm2-it-cs.yaml, cut as benchmarks/federation_bench.py cuts them (blocks of 64 tokens, steps of 4 blocks, 4 rounds of 3 steps unless --rounds / --steps say
+otherwise), on the fine-tuning sets of benchmarks/federation_sets.py (FINETUNE: de-fr and ref-en+code
+tune, it-cs and ref-fr+code confirm; text from `federation_bench.py prepare` in --text), with 40 test
+documents a site (37 for the English Debian Reference), cut to 1,500 characters as in the scratch regime.
 
 Partial participation (--participation < 1) is the product's federation.participation: the cell's
 config sets it, build_run_config draws each round's sites (fedtune.core.config.sample_participants,
@@ -52,12 +61,25 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import federation_corpora as corpora  # noqa: E402
+import federation_sets as fine_sets  # noqa: E402
 
 from fedtune.core import config as fconfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN_DOCS, TEST_DOCS = 60, 40
 BATCH = 8  # blocks of 128 tokens a step (the demo's 16, halved for time)
+REGIME_CONFIGS = {
+    "scratch": "config/config.yaml",
+    "finetune": "config/examples/smollm2-it-cs.yaml",
+}
+GGUF = ROOT / ".cache" / "models" / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Each regime's rounds and steps a round, and the grids (lr factors, embedding factors) when not given.
+REGIME_DEFAULTS = {
+    "scratch": dict(rounds=4, steps=4, lr=[1.0, 2.0, 4.0], pooled_lr=[0.25, 0.5, 1.0, 2.0, 4.0],
+                    pooled_emb=[1.0, 2.0, 4.0, 8.0, 16.0]),
+    "finetune": dict(rounds=4, steps=3, lr=[1.0, 2.0, 4.0, 8.0], pooled_lr=[1.0, 2.0, 4.0, 8.0, 16.0],
+                     pooled_emb=[1.0, 4.0]),
+}  # fmt: skip
 STRATEGIES = {
     # plain FedAvg: the sites' weighted mean every round, every row with the sites' weights
     "fedavg": {"server_optimizer": {"name": "sgd", "lr": 1.0}, "vocab_rows": "weights"},
@@ -73,24 +95,37 @@ def cell_config(
     seed: int,
     strategy: str,
     participation: float = 1.0,
+    regime: str = "scratch",
 ) -> dict:
-    """The demo's config with the cell's sites (their text in `data`), rounds, steps, seed, strategy and
-    participation (a fraction of the sites each round; 1: every site, federation.participation null)."""
-    config = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+    """The regime's config (the demo's, or the SmolLM2 example's) with the cell's sites (their text in
+    `data`), rounds, steps, seed, strategy and participation (a fraction of the sites each round; 1:
+    every site, federation.participation null)."""
+    config = yaml.safe_load((ROOT / REGIME_CONFIGS[regime]).read_text())
     template = next(iter(config["sites"].values()))
     config["sites"] = {}
     for site in sites:
         entry = copy.deepcopy(template)
         entry["dataset"]["data_files"] = {s: str(data / site / f"{s}.jsonl") for s in ("train", "test")}
         config["sites"][site] = entry
-    config["model"]["seed"] = seed
-    # Cut to what 2 cores shared by seven engineers allow (confirmation.md, "Amended"): batches of 8
-    # blocks, no periodic checkpoint, disjoint evaluation windows.
-    config["train"].update(
-        max_steps=steps, seed=seed, remove_checkpoints=True, global_batch=BATCH, micro_batch=BATCH,
-        checkpoint_every=0, warmup_steps=min(config["train"]["warmup_steps"], steps),
-    )  # fmt: skip
-    config["evaluate"]["stride"] = config["evaluate"]["max_length"]
+    if regime == "scratch":
+        config["model"]["seed"] = seed
+        # Cut to what 2 cores shared by seven engineers allow (confirmation.md, "Amended"): batches of 8
+        # blocks, no periodic checkpoint, disjoint evaluation windows.
+        config["train"].update(
+            max_steps=steps, seed=seed, remove_checkpoints=True, global_batch=BATCH, micro_batch=BATCH,
+            checkpoint_every=0, warmup_steps=min(config["train"]["warmup_steps"], steps),
+        )  # fmt: skip
+        config["evaluate"]["stride"] = config["evaluate"]["max_length"]
+    else:
+        # The pretrained base is the same for every seed; the seed orders the data (and draws LoRA's A).
+        # federation_bench.py's fine-tuning cut, so that the two benchmarks' cells compare.
+        config["model"]["path"] = str(GGUF)
+        config["tokenize"]["block_size"] = 64
+        config["train"].update(
+            max_steps=steps, seed=seed, remove_checkpoints=True, global_batch=4, micro_batch=4,
+            checkpoint_every=0, warmup_steps=1,
+        )  # fmt: skip
+        config["evaluate"].update(max_length=64, stride=64, batch_size=16)
     config["federation"]["rounds"] = rounds
     config["federation"]["participation"] = None if participation >= 1 else float(participation)
     config["aggregate"] = copy.deepcopy(STRATEGIES[strategy])
@@ -102,7 +137,10 @@ class Cell:
 
     def __init__(self, args, seed: int, work: Path):
         self.args, self.seed, self.work = args, seed, work
-        family_sites = corpora.split_sites(args.half, args.sites, TRAIN_DOCS, TEST_DOCS, args.iid)
+        if args.regime == "scratch":
+            family_sites = corpora.split_sites(args.half, args.sites, TRAIN_DOCS, TEST_DOCS, args.iid)
+        else:
+            family_sites = fine_tuning_sites(args.half, args.set, args.text)
         self.data = {s.name: s for s in family_sites}
         self.sites = list(self.data)
         self._write_text()
@@ -131,7 +169,13 @@ class Cell:
         from fedtune.download.fetch import download_model
 
         run = next(iter(self.run.values()))
-        download_model(run.model, self.base, [{"path": str(self.work / "raw" / s)} for s in self.sites])
+        if self.args.regime == "scratch":
+            download_model(run.model, self.base, [{"path": str(self.work / "raw" / s)} for s in self.sites])
+            return
+        # A pretrained base does not depend on the cell: converted from its GGUF once, then shared.
+        self.base = self.args.work / "smollm2-base"
+        if not self.base.is_dir():
+            download_model(run.model, self.base)
 
     def _tokenize(self) -> dict[str, Path]:
         from fedtune.tokenize.shards import tokenize_shard, write_manifest
@@ -239,13 +283,29 @@ class Cell:
 
 
 def cell_runs(sites: list[str], data: Path, args, seed: int) -> dict:
-    """Each strategy's RunConfig for the cell, built by the product from the demo's config."""
+    """Each strategy's RunConfig for the cell, built by the product from the regime's config."""
     return {
         name: fconfig.build_run_config(
-            cell_config(sites, data, args.rounds, args.steps, seed, name, args.participation), base_dir=ROOT
+            cell_config(sites, data, args.rounds, args.steps, seed, name, args.participation, args.regime),
+            base_dir=ROOT,
         )
         for name in args.strategies
     }
+
+
+def fine_tuning_sites(half: str, set_name: str, text_dir: Path) -> list:
+    """The sites of one fine-tuning set (federation_sets.FINETUNE), with 40 test documents each (37 for
+    the English Debian Reference), each cut to its first TEST_CHARS characters."""
+    if set_name not in fine_sets.FINETUNE[half]:
+        raise SystemExit(f"error: --sets: {set_name!r} is not a fine-tuning set of the {half} half "
+                         f"({', '.join(fine_sets.FINETUNE[half])})")  # fmt: skip
+    result = []
+    for spec in fine_sets.HALVES[half][set_name]:
+        train, test = fine_sets.site_documents(text_dir, spec, half, TEST_DOCS)
+        # Test documents cut as the scratch regime cuts them: 40 of them at the CPU's 500 tokens/s.
+        test = [text[: corpora.TEST_CHARS] for text in test]
+        result.append(corpora.SiteData(spec.key, spec.name, train, test))
+    return result
 
 
 def pooled_options(run, lr_factor: float, embedding_factor: float):
@@ -270,15 +330,17 @@ def merge_round(models: dict, out: Path, options, manifests: dict, start: Path, 
 
 
 def run_cell(args, seed: int) -> list[dict]:
-    work = args.work / f"{args.half}-{args.sites}{'-iid' if args.iid else ''}-p{args.participation:g}-s{seed}"
+    where = f"{args.half}-{args.sites}" if args.regime == "scratch" else f"{args.regime}-{args.set}"
+    work = args.work / f"{where}{'-iid' if args.iid else ''}-p{args.participation:g}-s{seed}"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     started = time.time()
     cell = Cell(args, seed, work)
     rows = []
     label = dict(
-        half=args.half, split="iid" if args.iid else "topic", sites=args.sites,
-        participation=args.participation, rounds=args.rounds, steps=args.steps, seed=seed,
+        regime=args.regime, set=args.set or "", half=args.half, split="iid" if args.iid else "topic",
+        sites=len(cell.sites), participation=args.participation, rounds=args.rounds, steps=args.steps,
+        seed=seed,
     )  # fmt: skip
     chosen = _chosen(args)
     models = [("pooled", None)] + [(s, s) for s in args.strategies]
@@ -325,16 +387,20 @@ def read_results(paths) -> pd.DataFrame:
         frame = pd.read_csv(path)
         if "embedding_factor" not in frame:
             frame["embedding_factor"] = 1.0
+        if "regime" not in frame:  # written before the fine-tuning regimes
+            frame["regime"], frame["set"] = "scratch", ""
+        frame["set"] = frame["set"].fillna("")
         frames.append(frame)
     frame = pd.concat(frames, ignore_index=True)
     return frame.drop_duplicates([*CELL, "seed", "model", *POINT, "site"], ignore_index=True)
 
 
-def chosen_points(frame: pd.DataFrame) -> dict[str, tuple[float, float]]:
-    """Each model's best (lr factor, embedding factor) on the tuning half: the lowest geometric mean
-    over its sites, averaged over the cells and seeds."""
-    frame = frame[frame.half == "tuning"].assign(log=lambda f: np.log(f.perplexity))
-    means = frame.groupby(["model", *POINT, "sites", "split", "participation", "seed"])["log"].mean()
+def chosen_points(frame: pd.DataFrame, regime: str = "scratch") -> dict[str, tuple[float, float]]:
+    """Each model's best (lr factor, embedding factor) on the regime's tuning half: the lowest geometric
+    mean over its sites, averaged over the cells and seeds."""
+    frame = frame[(frame.half == "tuning") & (frame.regime == regime)]
+    frame = frame.assign(log=lambda f: np.log(f.perplexity))
+    means = frame.groupby(["model", *POINT, "set", "sites", "split", "participation", "seed"])["log"].mean()
     best = means.groupby(["model", *POINT]).mean().reset_index()
     winners = best.loc[best.groupby("model")["log"].idxmin()]
     return {row.model: (float(row.lr_factor), float(row.embedding_factor)) for row in winners.itertuples()}
@@ -342,7 +408,7 @@ def chosen_points(frame: pd.DataFrame) -> dict[str, tuple[float, float]]:
 
 def _chosen(args) -> dict[str, tuple[float, float]] | None:
     """--chosen: each model's best grid point on the tuning half, from the tuning CSVs."""
-    return chosen_points(read_results(args.chosen)) if args.chosen else None
+    return chosen_points(read_results(args.chosen), args.regime) if args.chosen else None
 
 
 def _append(path: Path, rows: list[dict]) -> None:
@@ -351,7 +417,7 @@ def _append(path: Path, rows: list[dict]) -> None:
     frame.to_csv(path, mode="a", header=not path.is_file(), index=False)
 
 
-CELL = ["half", "split", "sites", "participation", "rounds", "steps"]
+CELL = ["regime", "set", "half", "split", "sites", "participation", "rounds", "steps"]
 
 
 def best_factors(frame: pd.DataFrame) -> pd.DataFrame:
@@ -418,29 +484,38 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--regime", choices=list(REGIME_CONFIGS), default="scratch")
     parser.add_argument("--half", choices=sorted(corpora.FAMILIES), default="tuning")
+    parser.add_argument(
+        "--sets", nargs="+", help="finetune: the fine-tuning sets of the half (default: both)"
+    )
+    parser.add_argument(
+        "--text", type=Path, default=ROOT / ".cache" / "fedbench" / "text",
+        help="finetune: the sets' text (benchmarks/federation_bench.py prepare)",
+    )  # fmt: skip
     parser.add_argument("--sites", type=int, default=2)
     parser.add_argument("--iid", action="store_true", help="the IID control: the same text dealt at random")
     parser.add_argument("--participation", type=float, default=1.0, help="fraction of sites each round")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument(
-        "--lr-factors", type=float, nargs="+", default=[1.0, 2.0, 4.0], help="the strategies' lr grid"
+        "--lr-factors", type=float, nargs="+", help="the strategies' lr grid (default: the regime's)"
     )
     parser.add_argument(
         "--embedding-factors", type=float, nargs="+", default=[1.0],
         help="the strategies' embedding/head lr factors (the sites' train.embedding_lr_factor), crossed with --lr-factors",
     )  # fmt: skip
     parser.add_argument(
-        "--pooled-lr-factors", type=float, nargs="+", default=[0.25, 0.5, 1.0, 2.0, 4.0],
-        help="the pooled model's lr grid (times the config's lr)",
+        "--pooled-lr-factors", type=float, nargs="+",
+        help="the pooled model's lr grid (times the config's lr; default: the regime's)",
     )  # fmt: skip
     parser.add_argument(
-        "--pooled-embedding-factors", type=float, nargs="+", default=[1.0, 2.0, 4.0, 8.0, 16.0],
-        help="the pooled model's embedding/head lr factors (train.embedding_lr_factor), crossed with its lr grid",
+        "--pooled-embedding-factors", type=float, nargs="+",
+        help="the pooled model's embedding/head lr factors (train.embedding_lr_factor), crossed with its lr "
+        "grid (default: the regime's)",
     )  # fmt: skip
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--rounds", type=int, help="default: the regime's (4)")
+    parser.add_argument("--steps", type=int, help="steps a round (default: the regime's, 4 or 3)")
     parser.add_argument(
         "--chosen", type=Path, nargs="*", help="tuning CSVs: run each model at its best factor"
     )
@@ -454,11 +529,24 @@ def main(argv=None) -> int:
         return 0
     if args.out_csv is None:
         parser.error("--out-csv: needed to run cells")
+    defaults = REGIME_DEFAULTS[args.regime]
+    for option, key in (("rounds", "rounds"), ("steps", "steps"), ("lr_factors", "lr"),
+                        ("pooled_lr_factors", "pooled_lr"), ("pooled_embedding_factors", "pooled_emb")):  # fmt: skip
+        if getattr(args, option) is None:
+            setattr(args, option, defaults[key])
+    if args.regime == "scratch":
+        cells = [None]
+    else:
+        if args.iid or args.participation < 1:
+            parser.error("--iid and --participation: the scratch regime's (the fine-tuning sets are fixed)")
+        cells = args.sets or list(fine_sets.FINETUNE[args.half])
     import torch
 
     torch.set_num_threads(args.threads)
-    for seed in args.seeds:
-        run_cell(args, seed)
+    for set_name in cells:
+        args.set = set_name
+        for seed in args.seeds:
+            run_cell(args, seed)
     return 0
 
 

@@ -4,6 +4,7 @@ every site its own documents (its partial participation is the product's: tests/
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -166,3 +167,41 @@ def test_benchmark_exchange_is_the_workflows_codec_bit_for_bit(tmp_path, tiny_mo
         (2, "aggregate"),
     ]
     assert all(b["update_bytes"] < b["model_bytes"] / 3 for b in bench.bytes)  # int8 of a float32 model
+
+
+def test_fine_tuning_cell_is_the_smollm2_example_cut_and_old_csvs_read_as_scratch(tmp_path):
+    # The fine-tuning regime's cell goes through the product's config (schema and all): the SmolLM2
+    # example's model and settings, federation_bench.py's cut, the cell's seed and strategy.
+    for site in ("help_de", "help_fr"):
+        (tmp_path / site).mkdir()
+        for split in ("train", "test"):
+            (tmp_path / site / f"{split}.jsonl").write_text('{"text": "x"}\n')
+    runs = {
+        strategy: federation_yardstick.fconfig.build_run_config(
+            federation_yardstick.cell_config(
+                ["help_de", "help_fr"], tmp_path, 4, 3, 7, strategy, 1.0, "finetune"
+            ),
+            base_dir=ROOT,
+        )
+        for strategy in ("default", "fedavg")
+    }
+    run = runs["default"]
+    assert run.model.source == "gguf" and Path(run.model.path) == federation_yardstick.GGUF
+    assert run.tokenize.block_size == 64 and run.rounds == 4
+    options = run.sites["help_de"].train
+    assert (options.max_steps, options.global_batch, options.seed, options.lr) == (3, 4, 7, 1e-4)
+    assert run.pooled.max_steps == 4 * 3 * 2  # the product's pooled baseline: every site's every round
+    assert run.aggregate.server_optimizer.name == "fedavgm" and run.aggregate.vocab_rows == "counts"
+    assert runs["fedavg"].aggregate.server_optimizer.name == "sgd"
+    # The strategies train alike; only the default's vocab rows need the sites' token counts.
+    fedavg_options = runs["fedavg"].sites["help_de"].train
+    assert options.token_counts and not fedavg_options.token_counts
+    assert dataclasses.replace(fedavg_options, token_counts=True) == options
+    # A CSV written before the regimes existed is the scratch regime's.
+    old = tmp_path / "old.csv"
+    old.write_text(
+        "half,split,sites,participation,rounds,steps,seed,model,lr_factor,lr,site,topic,perplexity\n"
+        "tuning,topic,2,1.0,4,4,0,pooled,1.0,0.003,s00,a,10.0\n"
+    )
+    frame = federation_yardstick.read_results([old])
+    assert frame.loc[0, ["regime", "set", "embedding_factor"]].tolist() == ["scratch", "", 1.0]
