@@ -7,13 +7,14 @@
     python benchmarks/federation_yardstick.py --regime finetune --half tuning --sets de-fr --seeds 0 1 2
 
 Each stage runs as the workflow runs it, in this process, through the function its CLI calls: the
-base model from fedtune.download.fetch.download_model (source: init), the sites' shards from
-fedtune.tokenize.shards (tokenize_shard, write_manifest), every site's round and the pooled model
-from fedtune.train.loop.train (the train stage's step loop, backend, checkpoint and export, token
-counts included), the merge from fedtune.aggregate.merge.aggregate (the streamed per-tensor merge,
-vocab rows and server optimizer state) and the perplexity from fedtune.evaluate.scores (build_stream,
-score). The settings come from config/config.yaml (the demo) through fedtune.core.config, with the
-cell's sites, rounds, steps and strategy; nothing here trains or merges by itself.
+base model from fedtune.download.fetch.download_model (source: init, or gguf to fine-tune), the sites'
+shards from fedtune.tokenize.shards (tokenize_shard, write_manifest), every site's round and the
+pooled model from fedtune.train.loop.train (the train stage's step loop, backend, checkpoint and
+export, token counts included), the merge from fedtune.aggregate.merge.aggregate (the streamed
+per-tensor merge, vocab rows and server optimizer state) and the perplexity from
+fedtune.evaluate.scores (build_stream, score). The settings come from config/config.yaml (the demo; to
+fine-tune, the SmolLM2 example) through fedtune.core.config, with the cell's sites, rounds, steps and
+strategy; nothing here trains or merges by itself.
 
 The yardstick is tuned: the pooled model sweeps --pooled-lr-factors (times the config's lr) crossed
 with --pooled-embedding-factors (train.embedding_lr_factor, the embedding and LM-head rows' lr
@@ -28,10 +29,12 @@ swept: each model runs once at the point it won on the tuning half (--chosen).
 Regimes: `scratch` (default) builds the demo's model from scratch on manual pages split into sites by
 topic (benchmarks/federation_corpora.py). `finetune` fine-tunes SmolLM2-135M-Instruct's full weights from
 its GGUF file (scripts/fetch-smollm2; the product's gguf download, converted once into --work) with the
-settings of config/examples/smollm2-it-cs.yaml, cut as benchmarks/federation_bench.py cuts them (blocks of 64 tokens, steps of 4 blocks, 4 rounds of 3 steps unless --rounds / --steps say
-otherwise), on the fine-tuning sets of benchmarks/federation_sets.py (FINETUNE: de-fr and ref-en+code
-tune, it-cs and ref-fr+code confirm; text from `federation_bench.py prepare` in --text), with 40 test
-documents a site (37 for the English Debian Reference), cut to 1,500 characters as in the scratch regime.
+settings of config/examples/smollm2-it-cs.yaml, cut as benchmarks/federation_bench.py cuts them (blocks
+of 64 tokens, steps of 4 blocks, 4 rounds of 3 steps unless --rounds / --steps say otherwise), on the
+fine-tuning sets of benchmarks/federation_sets.py (FINETUNE: de-fr and ref-en+code tune, it-cs and
+ref-fr+code confirm; text from `federation_bench.py prepare` in --text) with 40 test documents a site
+(37 for the English Debian Reference) cut to 1,500 characters as in the scratch regime, or (`--sets
+topics`) on the half's corpus family split into --sites sites by topic, as the scratch regime splits it.
 
 Partial participation (--participation < 1) is the product's federation.participation: the cell's
 config sets it, build_run_config draws each round's sites (fedtune.core.config.sample_participants,
@@ -68,6 +71,7 @@ from fedtune.core import config as fconfig  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN_DOCS, TEST_DOCS = 60, 40
 BATCH = 8  # blocks of 128 tokens a step (the demo's 16, halved for time)
+TOPICS = "topics"  # --sets: the half's corpus family by topic (federation_corpora), in any regime
 REGIME_CONFIGS = {
     "scratch": "config/config.yaml",
     "finetune": "config/examples/smollm2-it-cs.yaml",
@@ -137,7 +141,7 @@ class Cell:
 
     def __init__(self, args, seed: int, work: Path):
         self.args, self.seed, self.work = args, seed, work
-        if args.regime == "scratch":
+        if args.regime == "scratch" or args.set == TOPICS:
             family_sites = corpora.split_sites(args.half, args.sites, TRAIN_DOCS, TEST_DOCS, args.iid)
         else:
             family_sites = fine_tuning_sites(args.half, args.set, args.text)
@@ -330,7 +334,7 @@ def merge_round(models: dict, out: Path, options, manifests: dict, start: Path, 
 
 
 def run_cell(args, seed: int) -> list[dict]:
-    where = f"{args.half}-{args.sites}" if args.regime == "scratch" else f"{args.regime}-{args.set}"
+    where = f"{args.regime}-{args.set or TOPICS}-{args.half}-{args.sites}"
     work = args.work / f"{where}{'-iid' if args.iid else ''}-p{args.participation:g}-s{seed}"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -338,7 +342,7 @@ def run_cell(args, seed: int) -> list[dict]:
     cell = Cell(args, seed, work)
     rows = []
     label = dict(
-        regime=args.regime, set=args.set or "", half=args.half, split="iid" if args.iid else "topic",
+        regime=args.regime, set="" if args.regime == "scratch" else args.set, half=args.half, split="iid" if args.iid else "topic",
         sites=len(cell.sites), participation=args.participation, rounds=args.rounds, steps=args.steps,
         seed=seed,
     )  # fmt: skip
@@ -487,7 +491,10 @@ def main(argv=None) -> int:
     parser.add_argument("--regime", choices=list(REGIME_CONFIGS), default="scratch")
     parser.add_argument("--half", choices=sorted(corpora.FAMILIES), default="tuning")
     parser.add_argument(
-        "--sets", nargs="+", help="finetune: the fine-tuning sets of the half (default: both)"
+        "--sets",
+        nargs="+",
+        help="finetune: the fine-tuning sets of the half (default: both), or `topics`: the half's corpus "
+        "family split into --sites sites by topic, as the scratch regime splits it",
     )
     parser.add_argument(
         "--text", type=Path, default=ROOT / ".cache" / "fedbench" / "text",
@@ -537,9 +544,11 @@ def main(argv=None) -> int:
     if args.regime == "scratch":
         cells = [None]
     else:
-        if args.iid or args.participation < 1:
-            parser.error("--iid and --participation: the scratch regime's (the fine-tuning sets are fixed)")
         cells = args.sets or list(fine_sets.FINETUNE[args.half])
+        if (args.iid or args.participation < 1) and cells != [TOPICS]:
+            parser.error(
+                "--iid and --participation: with --sets topics only (the fine-tuning sets are fixed)"
+            )
     import torch
 
     torch.set_num_threads(args.threads)
