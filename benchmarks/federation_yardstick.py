@@ -88,6 +88,9 @@ STRATEGIES = {
     # plain FedAvg: the sites' weighted mean every round, every row with the sites' weights
     "fedavg": {"server_optimizer": {"name": "sgd", "lr": 1.0}, "vocab_rows": "weights"},
     "default": {},  # the schema's aggregate section as it stands
+    # the default without the vocab rows' extra step: for sites that give those rows a larger lr
+    # themselves (train.embedding_lr_factor), where the step on top overshoots (yardstick.md, v2)
+    "default-step1": {"vocab_step": 1},
 }
 
 
@@ -393,7 +396,7 @@ def read_results(paths) -> pd.DataFrame:
             frame["embedding_factor"] = 1.0
         if "regime" not in frame:  # written before the fine-tuning regimes
             frame["regime"], frame["set"] = "scratch", ""
-        frame["set"] = frame["set"].fillna("")
+        frame["set"] = frame["set"].astype(object).where(frame["set"].notna(), "")  # an empty set reads as NaN
         frames.append(frame)
     frame = pd.concat(frames, ignore_index=True)
     return frame.drop_duplicates([*CELL, "seed", "model", *POINT, "site"], ignore_index=True)
@@ -512,15 +515,16 @@ def main(argv=None) -> int:
         help="the strategies' embedding/head lr factors (the sites' train.embedding_lr_factor), crossed with --lr-factors",
     )  # fmt: skip
     parser.add_argument(
-        "--pooled-lr-factors", type=float, nargs="+",
-        help="the pooled model's lr grid (times the config's lr; default: the regime's)",
+        "--pooled-lr-factors", type=float, nargs="*",
+        help="the pooled model's lr grid (times the config's lr; default: the regime's; given empty, no "
+        "pooled model: its rows come from another CSV)",
     )  # fmt: skip
     parser.add_argument(
         "--pooled-embedding-factors", type=float, nargs="+",
         help="the pooled model's embedding/head lr factors (train.embedding_lr_factor), crossed with its lr "
         "grid (default: the regime's)",
     )  # fmt: skip
-    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
+    parser.add_argument("--strategies", nargs="+", default=["fedavg", "default"], choices=list(STRATEGIES))
     parser.add_argument("--rounds", type=int, help="default: the regime's (4)")
     parser.add_argument("--steps", type=int, help="steps a round (default: the regime's, 4 or 3)")
     parser.add_argument(
