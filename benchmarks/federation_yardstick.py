@@ -396,7 +396,8 @@ def read_results(paths) -> pd.DataFrame:
             frame["embedding_factor"] = 1.0
         if "regime" not in frame:  # written before the fine-tuning regimes
             frame["regime"], frame["set"] = "scratch", ""
-        frame["set"] = frame["set"].astype(object).where(frame["set"].notna(), "")  # an empty set reads as NaN
+        # The scratch regime's empty set name reads back as NaN.
+        frame["set"] = frame["set"].astype(object).where(frame["set"].notna(), "")
         frames.append(frame)
     frame = pd.concat(frames, ignore_index=True)
     return frame.drop_duplicates([*CELL, "seed", "model", *POINT, "site"], ignore_index=True)

@@ -342,7 +342,7 @@ def test_the_benchmark_samples_with_the_product_and_pools_only_the_trained_block
         (tmp_path / site).mkdir()
         for split in ("train", "test"):
             (tmp_path / site / f"{split}.jsonl").write_text('{"text": "x"}\n')
-    args = Namespace(rounds=4, steps=4, participation=0.5, strategies=["default"])
+    args = Namespace(rounds=4, steps=4, participation=0.5, strategies=["default"], regime="scratch")
     run = bench.cell_runs(sites, tmp_path, args, seed=3)["default"]
     drawn = [run.round_sites(r) for r in range(1, 5)]
     assert drawn == list(sample_participants(sites, 8, 4, seed=3))
