@@ -84,10 +84,7 @@ def regime_config(regime: str, set_name: str, rounds: int | None = None, steps: 
     config.pop("aggregate", None)  # the strategy's, over the schema's defaults
     config["federation"] = {"rounds": config["federation"]["rounds"], "pooled_baseline": True}
     if regime != "scratch":
-        config["tokenize"]["block_size"] = 64
-        config["train"].update(max_steps=3, warmup_steps=1, micro_batch=4, global_batch=4)
-        config["federation"]["rounds"] = 4
-        config["evaluate"].update(max_length=64, stride=64)
+        sets.cut_for_fine_tuning(config)
     if rounds:
         config["federation"]["rounds"] = rounds
     if steps:

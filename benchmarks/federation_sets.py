@@ -71,6 +71,17 @@ CONFIRMATION = {
 
 FINETUNE = {"tuning": ("de-fr", "ref-en+code"), "confirmation": ("it-cs", "ref-fr+code")}
 
+
+def cut_for_fine_tuning(config: dict) -> None:
+    """The fine-tuning regimes' cut of a SmolLM2 example config, in place, shared by federation_bench.py
+    and federation_yardstick.py so that their cells compare: blocks of 64 tokens, 4 rounds of 3 steps
+    of 4 blocks, warmup 1 step, evaluation in disjoint windows of 64 tokens."""
+    config["tokenize"]["block_size"] = 64
+    config["train"].update(max_steps=3, warmup_steps=1, micro_batch=4, global_batch=4)
+    config["federation"]["rounds"] = 4
+    config["evaluate"].update(max_length=64, stride=64)
+
+
 HALVES = {"tuning": TUNING, "confirmation": CONFIRMATION}
 
 

@@ -29,12 +29,13 @@ swept: each model runs once at the point it won on the tuning half (--chosen).
 Regimes: `scratch` (default) builds the demo's model from scratch on manual pages split into sites by
 topic (benchmarks/federation_corpora.py). `finetune` fine-tunes SmolLM2-135M-Instruct's full weights from
 its GGUF file (scripts/fetch-smollm2; the product's gguf download, converted once into --work) with the
-settings of config/examples/smollm2-it-cs.yaml, cut as benchmarks/federation_bench.py cuts them (blocks
-of 64 tokens, steps of 4 blocks, 4 rounds of 3 steps unless --rounds / --steps say otherwise), on the
-fine-tuning sets of benchmarks/federation_sets.py (FINETUNE: de-fr and ref-en+code tune, it-cs and
-ref-fr+code confirm; text from `federation_bench.py prepare` in --text) with 40 test documents a site
-(37 for the English Debian Reference) cut to 1,500 characters as in the scratch regime, or (`--sets
-topics`) on the half's corpus family split into --sites sites by topic, as the scratch regime splits it.
+settings of config/examples/smollm2-it-cs.yaml, cut as federation_bench.py cuts them
+(federation_sets.cut_for_fine_tuning: blocks of 64 tokens, steps of 4 blocks, 4 rounds of 3 steps
+unless --rounds / --steps say otherwise), on the fine-tuning sets of benchmarks/federation_sets.py
+(FINETUNE: de-fr and ref-en+code tune, it-cs and ref-fr+code confirm; text from `federation_bench.py
+prepare` in --text) with 40 test documents a site (37 for the English Debian Reference) cut to 1,500
+characters as in the scratch regime, or (`--sets topics`) on the half's corpus family split into
+--sites sites by topic, as the scratch regime splits it.
 
 Partial participation (--participation < 1) is the product's federation.participation: the cell's
 config sets it, build_run_config draws each round's sites (fedtune.core.config.sample_participants,
@@ -76,13 +77,14 @@ REGIME_CONFIGS = {
     "scratch": "config/config.yaml",
     "finetune": "config/examples/smollm2-it-cs.yaml",
 }
-GGUF = ROOT / ".cache" / "models" / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Each regime's rounds and steps a round, and the grids (lr factors, embedding factors) when not given.
+# Each regime's rounds, steps a round and grids, where the command line leaves them out (argparse's
+# names). The fine-tuning grids are those yardstick.md's v3 tables measured.
 REGIME_DEFAULTS = {
-    "scratch": dict(rounds=4, steps=4, lr=[1.0, 2.0, 4.0], pooled_lr=[0.25, 0.5, 1.0, 2.0, 4.0],
-                    pooled_emb=[1.0, 2.0, 4.0, 8.0, 16.0]),
-    "finetune": dict(rounds=4, steps=3, lr=[1.0, 2.0, 4.0, 8.0], pooled_lr=[1.0, 2.0, 4.0, 8.0, 16.0],
-                     pooled_emb=[1.0, 4.0]),
+    "scratch": dict(rounds=4, steps=4, lr_factors=[1.0, 2.0, 4.0],
+                    pooled_lr_factors=[0.25, 0.5, 1.0, 2.0, 4.0],
+                    pooled_embedding_factors=[1.0, 2.0, 4.0, 8.0, 16.0]),
+    "finetune": dict(rounds=4, steps=3, lr_factors=[0.5, 1.0, 2.0, 4.0, 8.0],
+                     pooled_lr_factors=[1.0, 2.0, 4.0, 8.0], pooled_embedding_factors=[1.0]),
 }  # fmt: skip
 STRATEGIES = {
     # plain FedAvg: the sites' weighted mean every round, every row with the sites' weights
@@ -124,15 +126,12 @@ def cell_config(
         )  # fmt: skip
         config["evaluate"]["stride"] = config["evaluate"]["max_length"]
     else:
-        # The pretrained base is the same for every seed; the seed orders the data (and draws LoRA's A).
-        # federation_bench.py's fine-tuning cut, so that the two benchmarks' cells compare.
-        config["model"]["path"] = str(GGUF)
-        config["tokenize"]["block_size"] = 64
-        config["train"].update(
-            max_steps=steps, seed=seed, remove_checkpoints=True, global_batch=4, micro_batch=4,
-            checkpoint_every=0, warmup_steps=1,
-        )  # fmt: skip
-        config["evaluate"].update(max_length=64, stride=64, batch_size=16)
+        # The pretrained base is the same for every seed; the seed orders the data. The example's GGUF
+        # path is relative to the checkout: made absolute, so the download reads it from any folder.
+        config["model"]["path"] = str(ROOT / config["model"]["path"])
+        fine_sets.cut_for_fine_tuning(config)
+        config["train"].update(max_steps=steps, seed=seed, remove_checkpoints=True, checkpoint_every=0)
+        config["evaluate"]["batch_size"] = 16
     config["federation"]["rounds"] = rounds
     config["federation"]["participation"] = None if participation >= 1 else float(participation)
     config["aggregate"] = copy.deepcopy(STRATEGIES[strategy])
@@ -345,7 +344,7 @@ def run_cell(args, seed: int) -> list[dict]:
     cell = Cell(args, seed, work)
     rows = []
     label = dict(
-        regime=args.regime, set="" if args.regime == "scratch" else args.set, half=args.half, split="iid" if args.iid else "topic",
+        regime=args.regime, set=args.set or "", half=args.half, split="iid" if args.iid else "topic",
         sites=len(cell.sites), participation=args.participation, rounds=args.rounds, steps=args.steps,
         seed=seed,
     )  # fmt: skip
@@ -509,7 +508,10 @@ def main(argv=None) -> int:
     parser.add_argument("--participation", type=float, default=1.0, help="fraction of sites each round")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument(
-        "--lr-factors", type=float, nargs="+", help="the strategies' lr grid (default: the regime's)"
+        "--lr-factors",
+        type=float,
+        nargs="*",
+        help="the strategies' lr grid (default: the regime's; given empty, the pooled model's grid only)",
     )
     parser.add_argument(
         "--embedding-factors", type=float, nargs="+", default=[1.0],
@@ -541,11 +543,9 @@ def main(argv=None) -> int:
         return 0
     if args.out_csv is None:
         parser.error("--out-csv: needed to run cells")
-    defaults = REGIME_DEFAULTS[args.regime]
-    for option, key in (("rounds", "rounds"), ("steps", "steps"), ("lr_factors", "lr"),
-                        ("pooled_lr_factors", "pooled_lr"), ("pooled_embedding_factors", "pooled_emb")):  # fmt: skip
+    for option, value in REGIME_DEFAULTS[args.regime].items():
         if getattr(args, option) is None:
-            setattr(args, option, defaults[key])
+            setattr(args, option, value)
     if args.regime == "scratch":
         cells = [None]
     else:

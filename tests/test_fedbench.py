@@ -186,7 +186,8 @@ def test_fine_tuning_cell_is_the_smollm2_example_cut_and_old_csvs_read_as_scratc
         for strategy in ("default", "fedavg")
     }
     run = runs["default"]
-    assert run.model.source == "gguf" and Path(run.model.path) == federation_yardstick.GGUF
+    gguf = ROOT / ".cache" / "models" / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert run.model.source == "gguf" and Path(run.model.path) == gguf
     assert run.tokenize.block_size == 64 and run.rounds == 4
     options = run.sites["help_de"].train
     assert (options.max_steps, options.global_batch, options.seed, options.lr) == (3, 4, 7, 1e-4)
