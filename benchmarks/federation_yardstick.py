@@ -37,6 +37,12 @@ prepare` in --text) with 40 test documents a site (37 for the English Debian Ref
 characters as in the scratch regime, or (`--sets topics`) on the half's corpus family split into
 --sites sites by topic, as the scratch regime splits it.
 
+`lora` is the fine-tuning regime with config/examples/smollm2-it-cs-lora.yaml's rank-8 adapters (lr
+5e-4): every round the sites train adapters on the round's start model, the aggregate stage's
+aggregate_adapters merges them (exactly, with the server step) and merge_adapter folds the result into
+the start, the next round's start model, as the workflow does; the pooled model trains one adapter on
+the base and is scored as base + adapter, as the evaluate stage scores it.
+
 Partial participation (--participation < 1) is the product's federation.participation: the cell's
 config sets it, build_run_config draws each round's sites (fedtune.core.config.sample_participants,
 seeded by train.seed, here the cell's seed) and the benchmark trains and merges RunConfig.round_sites(r)
@@ -76,6 +82,7 @@ TOPICS = "topics"  # --sets: the half's corpus family by topic (federation_corpo
 REGIME_CONFIGS = {
     "scratch": "config/config.yaml",
     "finetune": "config/examples/smollm2-it-cs.yaml",
+    "lora": "config/examples/smollm2-it-cs-lora.yaml",
 }
 # Each regime's rounds, steps a round and grids, where the command line leaves them out (argparse's
 # names). The fine-tuning grids are those yardstick.md's v3 tables measured.
@@ -85,14 +92,25 @@ REGIME_DEFAULTS = {
                     pooled_embedding_factors=[1.0, 2.0, 4.0, 8.0, 16.0]),
     "finetune": dict(rounds=4, steps=3, lr_factors=[0.5, 1.0, 2.0, 4.0, 8.0],
                      pooled_lr_factors=[1.0, 2.0, 4.0, 8.0], pooled_embedding_factors=[1.0]),
+    # times the LoRA example's 5e-4 (5 times full fine-tuning's lr)
+    "lora": dict(rounds=4, steps=3, lr_factors=[0.5, 1.0, 2.0, 4.0],
+                 pooled_lr_factors=[0.5, 1.0, 2.0, 4.0], pooled_embedding_factors=[1.0]),
 }  # fmt: skip
 STRATEGIES = {
     # plain FedAvg: the sites' weighted mean every round, every row with the sites' weights
     "fedavg": {"server_optimizer": {"name": "sgd", "lr": 1.0}, "vocab_rows": "weights"},
     "default": {},  # the schema's aggregate section as it stands
+    # the default until 2026-11-28 (the rows named `default` in CSVs written before then): server
+    # momentum 0.5, the vocab rows by token counts, stepped M times
+    "fedavgm-vocab": {"server_optimizer": {"name": "fedavgm", "lr": 1.0, "momentum": 0.5},
+                      "vocab_rows": "counts", "vocab_step": "sites"},
     # the default without the vocab rows' extra step: for sites that give those rows a larger lr
     # themselves (train.embedding_lr_factor), where the step on top overshoots (yardstick.md, v2)
     "default-step1": {"vocab_step": 1},
+    # FedExP's extrapolation per tensor (aggregate.server_optimizer fedexp), every row with the weights
+    "fedexp": {"server_optimizer": {"name": "fedexp"}, "vocab_rows": "weights"},
+    # FedAvg with the vocab rows merged by the sites' token counts (FedSubAvg's rows), no extra step
+    "fedsubavg": {"server_optimizer": {"name": "sgd", "lr": 1.0}, "vocab_rows": "counts", "vocab_step": 1},
 }
 
 
@@ -227,12 +245,12 @@ class Cell:
             raise SystemExit(f"error: training {site} stopped early")
         return out
 
-    def perplexity(self, model_dir: Path) -> dict[str, float]:
-        from fedtune.core.models import load_causal_lm
-        from fedtune.evaluate.scores import score
+    def perplexity(self, model_dir: Path, base: Path | None = None) -> dict[str, float]:
+        """Each site's test perplexity of a model folder, or (`base`) of a base model + adapter folder,
+        loaded as the evaluate stage loads it."""
+        from fedtune.evaluate.scores import load, score
 
-        model = load_causal_lm(model_dir)
-        model.eval()
+        model, _ = load(model_dir, base=base)
         options = next(iter(self.run.values())).evaluate
         result = {}
         for site, ids in self.test_ids.items():
@@ -248,7 +266,7 @@ class Cell:
         options = pooled_options(next(iter(self.run.values())), factor, embedding)
         out = self.work / f"pooled-x{factor:g}-emb{embedding:g}"
         self.train("pooled", self.base, [self.manifests[s] for s in self.sites], options, RoundPlan(), out)
-        result = self.perplexity(out)
+        result = self.perplexity(out, base=self.base if options.adapter else None)
         shutil.rmtree(out)
         return result
 
@@ -276,7 +294,10 @@ class Cell:
                     shutil.move(moments[1], previous)
             merged, state_out = root / f"aggregate-{r}", root / f"state-{r}"
             manifests = {s: self.manifests[s] for s in trained}
-            merge_round(trained, merged, run.aggregate, manifests, start, state, state_out)
+            if next(iter(run.sites.values())).train.adapter:
+                merge_adapter_round(trained, merged, run.aggregate, manifests, start, state, state_out)
+            else:
+                merge_round(trained, merged, run.aggregate, manifests, start, state, state_out)
             if start != self.base:
                 shutil.rmtree(start)
             if state is not None:
@@ -333,6 +354,25 @@ def merge_round(models: dict, out: Path, options, manifests: dict, start: Path, 
         models, out, options, manifests=manifests, start=start,
         server_state_in=state_in, server_state_out=state_out,
     )  # fmt: skip
+
+
+def merge_adapter_round(
+    adapters: dict, out: Path, options, manifests: dict, start: Path, state_in, state_out
+) -> dict:
+    """One round's merge with adapters (train.adapter), as the workflow makes it: the aggregate stage's
+    adapter aggregate (aggregate_adapters: the sites' exact merged update, the server step and its
+    state), then the merge of that adapter into the round's start (merge_adapter, what every cluster
+    runs), the next round's start model."""
+    from fedtune.aggregate.adapters import aggregate_adapters, merge_adapter
+
+    adapter = out.with_name(out.name + "-adapter")
+    record = aggregate_adapters(
+        adapters, adapter, options, manifests=manifests, start=start,
+        server_state_in=state_in, server_state_out=state_out,
+    )  # fmt: skip
+    merge_adapter(adapter, start, out, max_shard_size=options.max_shard_size)
+    shutil.rmtree(adapter)
+    return record
 
 
 def run_cell(args, seed: int) -> list[dict]:

@@ -46,6 +46,10 @@ def test_the_lora_examples_are_valid_and_every_site_trains_an_adapter():
         ({"sites__cs__train": {"adapter": None}}, "train.adapter: set for it but not for cs"),
         ({"aggregate__method": "ties"}, "aggregate.method: ties merges whole task vectors"),
         ({"aggregate__server_optimizer": {"name": "fedadam"}}, "aggregate.server_optimizer"),
+        (
+            {"aggregate__server_optimizer": {"name": "fedexp"}},
+            "fedexp reads the sites' full updates, not their low-rank factors; with train.adapter use sgd",
+        ),
         ({"aggregate__compare": ["ties"]}, "aggregate.compare: not available with train.adapter"),
         ({"federation__site_optimizer": "keep"}, "federation.site_optimizer: keep; with train.adapter"),
         (

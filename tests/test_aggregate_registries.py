@@ -118,13 +118,9 @@ def test_the_run_config_holds_the_section_as_options_with_the_models_dtype():
     config["aggregate"] = {"method": "ties", "weights": {"alpha": 1, "beta": 2}}
     run = build_run_config(config)
     assert isinstance(run.aggregate, AggregateOptions) and run.aggregate.dtype == "bfloat16"
-    # The default server optimizer (docs/federation.md): fedavgm, lr 1, momentum 0.5.
+    # The default server optimizer (docs/federation.md): sgd at lr 1, FedAvg's step.
     default = run.aggregate.server_optimizer
-    assert run.aggregate.method == "ties" and (default.name, default.lr, default.momentum) == (
-        "fedavgm",
-        1.0,
-        0.5,
-    )
+    assert run.aggregate.method == "ties" and (default.name, default.lr, default.plain) == ("sgd", 1.0, True)
     config = demo_config()
     config["aggregate"] = {"weights": {"alpha": 1}}
     with pytest.raises(
@@ -145,6 +141,7 @@ def test_the_plain_step_is_what_the_registry_flags():
     assert flags == {
         "sgd": (True, True),
         "fedavgm": (False, True),
+        "fedexp": (False, False),
         "fedadam": (False, False),
         "fedyogi": (False, False),
         "fedadagrad": (False, False),

@@ -18,6 +18,7 @@ NAMES = {"model.layers.0.mlp.up_proj.weight": (12, 8), "model.norm.weight": (8,)
 OPTIONS = {
     "sgd": {"name": "sgd", "lr": 0.7},
     "fedavgm": {"name": "fedavgm", "lr": 0.5, "momentum": 0.8},
+    "fedexp": {"name": "fedexp", "lr": 0.9},
     "fedadam": {"name": "fedadam", "lr": 0.01, "betas": [0.9, 0.99], "tau": 1e-3},
     "fedyogi": {"name": "fedyogi", "lr": 0.01, "betas": [0.8, 0.95], "tau": 1e-2},
     "fedadagrad": {"name": "fedadagrad", "lr": 0.05, "betas": [0.5, 0.9], "tau": 1e-3},
@@ -28,11 +29,16 @@ def near(model, g, scale=0.05):
     return {n: t + scale * torch.randn(*t.shape, generator=g) for n, t in model.items()}
 
 
-def hand_step(options, delta, m, v):
-    """One server step in float64, written from Reddi et al. 2021, Algorithm 2 (m, v start at 0)."""
+def hand_step(options, delta, m, v, site_deltas=(), weights=()):
+    """One server step in float64, written from Reddi et al. 2021, Algorithm 2 (m, v start at 0), and
+    FedExP's (Jhunjhunwala et al. 2023, Algorithm 1) per tensor, its eta clipped to [1, sites]."""
     name, lr = options["name"], options["lr"]
     if name == "sgd":
         return lr * delta, m, v
+    if name == "fedexp":
+        spread = sum(w * float((d**2).sum()) for w, d in zip(weights, site_deltas, strict=True))
+        eta = min(max(spread / (2 * float((delta**2).sum())), 1.0), len(site_deltas))
+        return lr * eta * delta, m, v
     if name == "fedavgm":
         m = options["momentum"] * m + delta
         return lr * m, m, v
@@ -73,16 +79,15 @@ def test_two_rounds_equal_the_update_rule(tmp_path, optimizer):
         )
         merged = read_output(tmp_path / f"round-{r}" / "model")
         for n in NAMES:
-            delta = sum(
-                w * (s[n].double() - current[n].double()) for w, s in zip(weights, sites, strict=True)
-            )
-            update, m[n], v[n] = hand_step(options, delta, m[n], v[n])
+            site_deltas = [s[n].double() - current[n].double() for s in sites]
+            delta = sum(w * d for w, d in zip(weights, site_deltas, strict=True))
+            update, m[n], v[n] = hand_step(options, delta, m[n], v[n], site_deltas, weights)
             expected = current[n].double() + update
             torch.testing.assert_close(merged[n].double(), expected, rtol=1e-6, atol=1e-6)
             assert (merged[n] - current[n]).abs().max() > 1e-4  # the step moved the model
         state = json.loads((state_out / "state.json").read_text())
         assert state["step"] == r and state["optimizer"]["name"] == optimizer
-        if optimizer in ("sgd",):
+        if optimizer in ("sgd", "fedexp"):
             assert not list(state_out.glob("*.safetensors"))
         else:
             saved = read_output(state_out)
@@ -93,6 +98,43 @@ def test_two_rounds_equal_the_update_rule(tmp_path, optimizer):
             assert (state_out / "fedtune-checksums.json").is_file()
             assert len(list(state_out.glob("*.safetensors"))) > 1
         start, state_in = tmp_path / f"round-{r}" / "model", state_out
+
+
+@pytest.mark.parametrize(
+    ("spread", "eta"),
+    [("agree", 1.0), ("orthogonal", 2.0), ("cancel", 4.0)],
+)
+def test_fedexp_extrapolates_as_far_as_the_sites_updates_pull_apart(tmp_path, spread, eta):
+    """Four equal sites: updates that agree take FedAvg's step; orthogonal ones (disjoint coordinates)
+    M / 2 = 2 times it; updates that nearly cancel the cap, M = 4 times it. aggregate.json says which."""
+    shape = (8, 16)
+    base = {"w": torch.zeros(shape)}
+    start = write_checkpoint(tmp_path / "base", base)
+    deltas = []
+    for i in range(4):
+        d = torch.zeros(shape)
+        if spread == "agree":
+            d += 0.1
+        elif spread == "orthogonal":
+            d[2 * i : 2 * i + 2] = 0.1
+        else:
+            d += 0.1 if i % 2 == 0 else -0.1
+            d[0, 0] += 0.01  # what is left of the mean
+        deltas.append(d)
+    models = {s: write_checkpoint(tmp_path / s, {"w": d}) for s, d in zip("abcd", deltas, strict=True)}
+    record = aggregate(
+        models,
+        tmp_path / "model",
+        aggregate_options(weights="uniform", server_optimizer={"name": "fedexp"}),
+        start=start,
+    )
+    mean = sum(deltas) / 4
+    torch.testing.assert_close(read_output(tmp_path / "model")["w"], eta * mean, rtol=1e-6, atol=1e-7)
+    assert record["server_optimizer"]["extrapolation"]["max"] == pytest.approx(eta)
+    # Plain FedAvg on the same sites is the mean: fedexp never steps shorter.
+    fedavg = aggregate(models, tmp_path / "fedavg", aggregate_options(weights="uniform"), start=start)
+    assert "extrapolation" not in fedavg.get("server_optimizer", {})
+    torch.testing.assert_close(read_output(tmp_path / "fedavg")["w"], mean, rtol=1e-6, atol=1e-7)
 
 
 def test_server_optimizer_composes_with_ties(tmp_path):

@@ -41,13 +41,23 @@ def _cli(tmp_path: Path, models, manifests, options, start, state_in, state_out,
     subprocess.run(command, check=True, cwd=tmp_path, env=env, capture_output=True)
 
 
-def test_benchmark_merge_is_the_aggregate_cli_byte_for_byte(tmp_path):
-    # The schema's default aggregate section: fedavgm with momentum, vocab rows by token counts, their
-    # step times the sites; token weights from the manifests. Two rounds, so the server state is read too.
+@pytest.mark.parametrize(
+    "section",
+    [
+        {},  # the schema's default: plain FedAvg
+        # fedavgm with momentum, vocab rows by token counts stepped times the sites (the default until
+        # 2026-11-28): the server state is written and read back in round 2
+        {"server_optimizer": {"name": "fedavgm"}, "vocab_rows": "counts"},
+        {"server_optimizer": {"name": "fedexp"}},
+    ],
+    ids=["default", "fedavgm-vocab", "fedexp"],
+)
+def test_benchmark_merge_is_the_aggregate_cli_byte_for_byte(tmp_path, section):
+    # Token weights from the manifests; two rounds, so a server state is read too.
     start, models = sites_with_counts(tmp_path, COUNTS)
     manifests = {s: write_manifest(tmp_path / f"{s}.json", s, n) for s, n in (("a", 300), ("b", 100))}
-    options = AggregateOptions.from_mapping({"dtype": "float32"})
-    assert options.server_optimizer.name == "fedavgm" and options.vocab_rows == "counts"
+    options = AggregateOptions.from_mapping({"dtype": "float32", **section})
+    rows = ["lm_head.weight", "model.embed_tokens.weight"] if options.vocab_rows == "counts" else []
     bench_state = cli_state = None
     for r in (1, 2):
         bench, cli = tmp_path / f"bench-{r}", tmp_path / f"cli-{r}"
@@ -55,7 +65,7 @@ def test_benchmark_merge_is_the_aggregate_cli_byte_for_byte(tmp_path):
             models, bench, options, manifests, start, bench_state, tmp_path / f"bench-state-{r}"
         )
         _cli(tmp_path, models, manifests, options, start, cli_state, tmp_path / f"cli-state-{r}", cli)
-        assert record["vocab_rows"]["tensors"] == ["lm_head.weight", "model.embed_tokens.weight"]
+        assert record["vocab_rows"]["tensors"] == rows
         bench_state, cli_state = tmp_path / f"bench-state-{r}", tmp_path / f"cli-state-{r}"
         assert _files(bench) == _files(cli)
         assert _files(bench_state) == _files(cli_state)
@@ -183,7 +193,7 @@ def test_fine_tuning_cell_is_the_smollm2_example_cut_and_old_csvs_read_as_scratc
             ),
             base_dir=ROOT,
         )
-        for strategy in ("default", "fedavg")
+        for strategy in ("default", "fedavg", "fedavgm-vocab")
     }
     run = runs["default"]
     gguf = ROOT / ".cache" / "models" / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -192,12 +202,14 @@ def test_fine_tuning_cell_is_the_smollm2_example_cut_and_old_csvs_read_as_scratc
     options = run.sites["help_de"].train
     assert (options.max_steps, options.global_batch, options.seed, options.lr) == (3, 4, 7, 1e-4)
     assert run.pooled.max_steps == 4 * 3 * 2  # the product's pooled baseline: every site's every round
-    assert run.aggregate.server_optimizer.name == "fedavgm" and run.aggregate.vocab_rows == "counts"
-    assert runs["fedavg"].aggregate.server_optimizer.name == "sgd"
-    # The strategies train alike; only the default's vocab rows need the sites' token counts.
-    fedavg_options = runs["fedavg"].sites["help_de"].train
-    assert options.token_counts and not fedavg_options.token_counts
-    assert dataclasses.replace(fedavg_options, token_counts=True) == options
+    assert run.aggregate.server_optimizer.name == "sgd" and run.aggregate.vocab_rows == "weights"
+    assert runs["fedavg"].aggregate == run.aggregate  # the default is plain FedAvg
+    old = runs["fedavgm-vocab"].aggregate
+    assert (old.server_optimizer.name, old.server_optimizer.momentum, old.vocab_rows) == ("fedavgm", 0.5, "counts")
+    # The strategies train alike; only the vocab rows by counts need the sites' token counts.
+    counting = runs["fedavgm-vocab"].sites["help_de"].train
+    assert counting.token_counts and not options.token_counts
+    assert dataclasses.replace(options, token_counts=True) == counting
     # A CSV written before the regimes existed is the scratch regime's.
     old = tmp_path / "old.csv"
     old.write_text(

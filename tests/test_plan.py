@@ -90,7 +90,7 @@ def figures(config: dict, cluster: str) -> dict:
     # Aggregates made, or received: with evaluate.cross_site none (the example's) the last round's too.
     home = config["evaluate"].get("cross_site") == "none"
     scratch += (rounds if aggregates_here or home else rounds - 1) * model
-    server = config.get("aggregate", {}).get("server_optimizer", {}).get("name", "fedavgm")  # the default
+    server = config.get("aggregate", {}).get("server_optimizer", {}).get("name", "sgd")  # the default
     if aggregates_here and server != "sgd":
         scratch += rounds * 4 * params  # fedavgm's momentum, fp32; plain sgd keeps no state
     scratch += len(here) * keep * 12 * params  # checkpoints: fp32 weights and AdamW's two moments

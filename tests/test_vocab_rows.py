@@ -2,7 +2,8 @@
 weights times each site's frequency of the token (fedtune.core.token_counts), read from the
 token_counts.json that training writes beside each site model; everything else, and every fallback,
 stays the weighted mean. In a federation's round the merged rows' update is multiplied by
-aggregate.vocab_step (the number of sites by default)."""
+aggregate.vocab_step (the number of sites by default). vocab_rows counts is asked for here: the
+default is weights (plain FedAvg), which reads no counts."""
 
 from __future__ import annotations
 
@@ -14,10 +15,16 @@ import torch
 
 from fedtune.aggregate.merge import aggregate
 from fedtune.core import token_counts
-from tests.test_aggregate import options, random_tensors, read_output, write_checkpoint
+from tests.test_aggregate import options as aggregate_options
+from tests.test_aggregate import random_tensors, read_output, write_checkpoint
 
 VOCAB = 32  # random_tensors' embeddings and LM head: (32, 8)
 ROWS = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def options(**values):
+    """The aggregate section with vocab_rows counts unless `values` say otherwise."""
+    return aggregate_options(**{"vocab_rows": "counts", **values})
 
 
 def test_row_weights_by_hand():

@@ -32,7 +32,7 @@ import torch
 from fedtune.aggregate.methods import CHUNK, MergeMethod, chunks, fedavg_rows, merge_method, weighted_mean
 from fedtune.aggregate.model_compat import CONFIG_FILE, COPIED_FILES, compatibility_problems
 from fedtune.aggregate.options import AggregateOptions, ServerOptimizerOptions
-from fedtune.aggregate.server_optimizers import slots, step
+from fedtune.aggregate.server_optimizers import fedexp_scale, slots, step
 from fedtune.core import cli, exchange, token_counts
 from fedtune.core.atomic import atomic_dir, write_json
 from fedtune.core.checksums import SOURCE_RECORD, sha256_file
@@ -463,6 +463,13 @@ def aggregate(
         if not plain:
             record["parameters"] = options.parameters
             record["server_optimizer"] = {**optimizer, "step": round_step}
+            if merge.scales:
+                summary = _scale_summary(merge.scales)
+                record["server_optimizer"]["extrapolation"] = summary
+                _log(
+                    f"{options.server_optimizer.name}'s step over the tensors: {summary['min']:g} to "
+                    f"{summary['max']:g} times the merged update (median {summary['median']:g})"
+                )
         if state_folder is not None:
             record["server_state_in"] = extra_records[-1]
         elif server_state_in is not None:
@@ -475,6 +482,18 @@ def aggregate(
         write_json(tmp / "aggregate.json", record)
     _log(f"done in {record['wall_time_s']:.1f} s: {out_dir}")
     return record
+
+
+def _scale_summary(scales: Mapping[str, float]) -> dict:
+    """fedexp's factors over the tensors: their range, median and the largest few by name."""
+    values = sorted(scales.values())
+    largest = sorted(scales.items(), key=lambda item: -item[1])[:5]
+    return {
+        "min": round(values[0], 4),
+        "median": round(values[len(values) // 2], 4),
+        "max": round(values[-1], 4),
+        "largest": {name: round(value, 4) for name, value in largest},
+    }
 
 
 def _read_models(
@@ -616,6 +635,8 @@ class _Merge:
     optimizer: ServerOptimizerOptions
     plain: bool
     rows: Mapping[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # name -> (sites, vocab)
+    # Tensor name -> the server step's extrapolation factor (fedexp), filled in as tensors are merged.
+    scales: dict[str, float] = dataclasses.field(default_factory=dict)
     # Site index -> (header, parts folder, its Rebuilder) of the sites that sent compressed updates.
     updates: Mapping[int, tuple] = dataclasses.field(default_factory=dict)
 
@@ -690,7 +711,7 @@ def _write_merged(
                 old = {s: reader.get(state_i, f"{s}.{tensor.name}") if state_i else None for s in state_slots}
                 taken = {s: state.slot(_state_tensor(s, tensor)) for s in state_slots}
                 new = {s: buf for s, (_, buf) in taken.items()}
-                _step_into(result, merge, tensor, base, sources, weights, old, new, buffers[0])
+                _step_into(result, merge, tensor, base, sources, weights, old, new, buffers)
                 for s, (state_slot, _) in taken.items():
                     state.put(_state_tensor(s, tensor), state_slot)
             output.put(tensor, slot)
@@ -736,9 +757,7 @@ def _row_mean_into(result: torch.Tensor, sources, table: torch.Tensor, shape, bu
         result[lo:hi].copy_(mean)
 
 
-def _step_into(
-    result, merge: _Merge, tensor: OutTensor, base, sources, weights, old, new, base_buffer
-) -> None:
+def _step_into(result, merge: _Merge, tensor: OutTensor, base, sources, weights, old, new, buffers) -> None:
     """start + the server optimizer's update from the merged task vector, chunk by chunk: any method's
     chunks (methods.chunks) go through the same step. `old`: the previous state's slices by slot (None
     in the first round); `new`: the buffers the new state is written into."""
@@ -746,6 +765,11 @@ def _step_into(
         parts = fedavg_rows(base, sources, merge.rows[tensor.name], math.prod(tensor.shape[1:]))
     else:
         parts = merge.method.merge(base, sources, weights, {**merge.parameters, "name": tensor.name})
+    base_buffer = buffers[0]
+    scale = 1.0
+    if merge.optimizer.entry.extrapolates:
+        parts, scale = _extrapolation(parts, base, sources, weights, result.numel(), buffers[1])
+        merge.scales[tensor.name] = scale
     for (lo, hi), delta in zip(chunks(result.numel()), parts, strict=True):
         # fp32 + fp16 rounds the same as fp32 + fp32 of the converted value, but torch's mixed-dtype
         # kernels are several times slower: convert once per chunk.
@@ -756,7 +780,25 @@ def _step_into(
             {s: None if o is None else o[lo:hi] for s, o in old.items()},
             {s: buf[lo:hi] for s, buf in new.items()},
         )
+        if scale != 1.0:
+            update.mul_(scale)
         result[lo:hi].copy_(update.add_(base_part))
+
+
+def _extrapolation(parts, base, sources, weights, numel: int, scratch: torch.Tensor):
+    """The merged update of one tensor held whole (fp32), and FedExP's factor for it
+    (server_optimizers.fedexp_scale): the step needs the whole tensor's norms before its first chunk
+    is written, so this tensor's update is the one extra copy the merge holds."""
+    merged = torch.empty(numel, dtype=torch.float32)
+    merged_sq, spread = 0.0, 0.0
+    for (lo, hi), delta in zip(chunks(numel), parts, strict=True):
+        merged[lo:hi].copy_(delta)
+        merged_sq += float(torch.dot(merged[lo:hi], merged[lo:hi]))
+        for weight, src in zip(weights, sources, strict=True):
+            site = scratch[: hi - lo].copy_(src[lo:hi]).sub_(base[lo:hi])
+            spread += weight * float(torch.dot(site, site))
+    scale = fedexp_scale(spread, merged_sq, len(sources))
+    return [merged[lo:hi] for lo, hi in chunks(numel)], scale
 
 
 def _state_tensor(slot: str, tensor: OutTensor) -> OutTensor:

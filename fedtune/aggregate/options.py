@@ -53,6 +53,9 @@ class ServerOptimizerEntry:
     # With no state yet its update is lr * delta: at lr 1 a one-shot merge (no state read or kept) is
     # the plain mean.
     plain_first_step: bool = False
+    # Its step is scaled per tensor by FedExP's extrapolation (server_optimizers.fedexp_scale), which
+    # reads each site's update of the tensor as well as the merged one.
+    extrapolates: bool = False
 
 
 def resolve(function: str, module: str):
@@ -82,6 +85,7 @@ SERVER_OPTIMIZERS: dict[str, ServerOptimizerEntry] = {
         ServerOptimizerEntry(
             "fedavgm", "fedavgm", {"lr": 1.0, "momentum": 0.5}, ("m",), low_rank=True, plain_first_step=True
         ),
+        ServerOptimizerEntry("fedexp", "fedexp", {"lr": 1.0}, extrapolates=True),
         ServerOptimizerEntry("fedadam", "fedadam", _ADAPTIVE, ("m", "v")),
         ServerOptimizerEntry("fedyogi", "fedyogi", _ADAPTIVE, ("m", "v")),
         ServerOptimizerEntry("fedadagrad", "fedadagrad", _ADAPTIVE, ("m", "v")),
@@ -144,8 +148,13 @@ class ServerOptimizerOptions(_Options):
         """Why this optimizer cannot step LoRA adapters combined by `adapter_merge` (None: it can). The one
         place of this rule: the run config and a direct call of the adapter aggregate both ask here."""
         if not self.entry.low_rank:
+            what = (
+                "reads the sites' full updates, not their low-rank factors"
+                if self.entry.extrapolates
+                else "keeps per-coordinate state that is not low-rank"
+            )
             return (
-                f"aggregate.server_optimizer: {self.name} keeps per-coordinate state that is not low-rank; "
+                f"aggregate.server_optimizer: {self.name} {what}; "
                 f"with train.adapter use {' or '.join(LOW_RANK_SERVER_OPTIMIZERS)}"
             )
         if not self.plain and adapter_merge != "exact":

@@ -10,6 +10,9 @@ fedavg, the merged task vector), and the new global model is x = start + update:
 - fedyogi:    m as above; v = v - (1 - b2) Delta^2 sign(v - Delta^2)
 - fedadam:    m as above; v = b2 v + (1 - b2) Delta^2
   and for the three adaptive ones update = lr * m / (sqrt(v) + tau).
+- fedexp:     update = lr * eta * Delta, eta from the sites' updates of this tensor (`fedexp_scale`):
+  FedExP's extrapolation (Jhunjhunwala, Wang and Joshi, "FedExP: Speeding Up Federated Averaging via
+  Extrapolation", ICLR 2023), per tensor, since the merge streams one tensor at a time.
 
 m and v start at zero, as in Flower (flwr/server/strategy/fedopt.py and its subclasses, which create
 them with np.zeros_like in the first round); the paper asks for v_{-1} >= tau^2, and tau in the
@@ -38,6 +41,23 @@ Step = Callable[[ServerOptimizerOptions, torch.Tensor, dict, dict], torch.Tensor
 
 def sgd(options, delta, state, out):
     return delta.mul_(options.lr)
+
+
+def fedexp(options, delta, state, out):
+    # The extrapolation factor is the merge's (fedexp_scale): it reads every site's update, not delta.
+    return delta.mul_(options.lr)
+
+
+def fedexp_scale(spread: float, merged: float, sites: int) -> float:
+    """FedExP's server step for one tensor: eta = sum_i w_i ||Delta_i||^2 / (2 ||Delta||^2), where
+    Delta = sum_i w_i Delta_i is the merged update, clipped to [1, sites]. Where the sites' updates
+    agree eta is 1 (FedAvg); where they are orthogonal, M equal sites give eta = M / 2: the mean has
+    shrunk each update by the disagreement, and the step restores its length. The paper adds epsilon to
+    the denominator against updates that cancel; a bound of the number of sites does that here without
+    a scale-dependent constant (per tensor, the norms differ by orders of magnitude)."""
+    if merged <= 0.0 or spread <= 0.0:
+        return 1.0
+    return min(max(spread / (2.0 * merged), 1.0), float(sites))
 
 
 def fedavgm(options, delta, state, out):
