@@ -102,8 +102,11 @@ STRATEGIES = {
     "default": {},  # the schema's aggregate section as it stands
     # the default until 2026-11-28 (the rows named `default` in CSVs written before then): server
     # momentum 0.5, the vocab rows by token counts, stepped M times
-    "fedavgm-vocab": {"server_optimizer": {"name": "fedavgm", "lr": 1.0, "momentum": 0.5},
-                      "vocab_rows": "counts", "vocab_step": "sites"},
+    "fedavgm-vocab": {
+        "server_optimizer": {"name": "fedavgm", "lr": 1.0, "momentum": 0.5},
+        "vocab_rows": "counts",
+        "vocab_step": "sites",
+    },
     # the default without the vocab rows' extra step: for sites that give those rows a larger lr
     # themselves (train.embedding_lr_factor), where the step on top overshoots (yardstick.md, v2)
     "default-step1": {"vocab_step": 1},
