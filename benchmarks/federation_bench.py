@@ -85,6 +85,8 @@ def regime_config(regime: str, set_name: str, rounds: int | None = None, steps: 
     config["federation"] = {"rounds": config["federation"]["rounds"], "pooled_baseline": True}
     if regime != "scratch":
         sets.cut_for_fine_tuning(config)
+    else:  # its figures were measured with one lr for every row, before the demo's factor of 16
+        config["train"]["embedding_lr_factor"] = 1.0
     if rounds:
         config["federation"]["rounds"] = rounds
     if steps:

@@ -144,6 +144,7 @@ def cell_config(
         config["train"].update(
             max_steps=steps, seed=seed, remove_checkpoints=True, global_batch=BATCH, micro_batch=BATCH,
             checkpoint_every=0, warmup_steps=min(config["train"]["warmup_steps"], steps),
+            embedding_lr_factor=1.0,  # each grid point sets its own (--embedding-factors)
         )  # fmt: skip
         config["evaluate"]["stride"] = config["evaluate"]["max_length"]
     else:
