@@ -219,3 +219,43 @@ def test_fine_tuning_cell_is_the_smollm2_example_cut_and_old_csvs_read_as_scratc
     )
     frame = federation_yardstick.read_results([old])
     assert frame.loc[0, ["regime", "set", "embedding_factor"]].tolist() == ["scratch", "", 1.0]
+
+
+def test_benchmark_adapter_round_is_the_workflows_commands_byte_for_byte(tmp_path):
+    """The LoRA regime's round (merge_adapter_round) is what aggregate_adapters and merge_adapter write:
+    `python -m fedtune.aggregate.adapters` (the adapters, their manifests, the start, a server state),
+    then `--merge` of that adapter into the start, from the same site adapters."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from tests.test_adapter_aggregate import ATTENTION, llama_config, save_base, train_adapter
+
+    torch.manual_seed(0)
+    base = save_base(LlamaForCausalLM(llama_config()), tmp_path / "base")
+    adapters = {
+        site: train_adapter(LlamaForCausalLM, base, tmp_path / site, seed, r=4, target_modules=ATTENTION)
+        for site, seed in (("a", 1), ("b", 2))
+    }
+    manifests = {s: write_manifest(tmp_path / f"{s}.json", s, n) for s, n in (("a", 300), ("b", 100))}
+    # fedavgm: the server step and its state (as stacked factors) are the aggregate stage's too.
+    options = AggregateOptions.from_mapping({"server_optimizer": {"name": "fedavgm"}, "dtype": "float32"})
+    bench = tmp_path / "bench" / "aggregate-1"
+    bench.parent.mkdir()
+    record = federation_yardstick.merge_adapter_round(
+        adapters, bench, options, manifests, base, None, tmp_path / "bench-state"
+    )
+    assert record["weights"]["normalised"] == {"a": 0.75, "b": 0.25}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    adapter, merged = tmp_path / "cli-adapter", tmp_path / "cli-merged"
+    run = [sys.executable, "-m", "fedtune.aggregate.adapters"]
+    subprocess.run([*run, "--out", str(adapter), "--options", options.merge_json(),
+                    "--adapters", *(f"{s}={p}" for s, p in adapters.items()), "--start", str(base),
+                    "--server-state-out", str(tmp_path / "cli-state"),
+                    "--manifest", *(f"{s}={p}" for s, p in manifests.items())],
+                   check=True, cwd=tmp_path, env=env, capture_output=True)  # fmt: skip
+    subprocess.run([*run, "--merge", str(adapter), "--base", str(base), "--out", str(merged),
+                    "--options", options.merge_json()], check=True, cwd=tmp_path, env=env, capture_output=True)  # fmt: skip
+    assert _files(bench) == _files(merged)
+    assert _files(tmp_path / "bench-state") == _files(tmp_path / "cli-state")
+    # The round moved the model: not the start's bytes.
+    assert _files(bench)["model.safetensors"] != (base / "model.safetensors").read_bytes()
