@@ -424,7 +424,9 @@ def aggregate(
         decoders = {
             i: (*m.update, exchange.Rebuilder()) for i, m in enumerate(site_models) if m.update is not None
         }
-        merge = _Merge(method, options.parameters, options.server_optimizer, plain, rows, decoders)
+        merge = _Merge(
+            method, options.parameters, options.server_optimizer, plain, rows=rows, updates=decoders
+        )
         output, state_output, digests = _write_merged(
             tmp,
             state_tmp,
@@ -635,10 +637,10 @@ class _Merge:
     optimizer: ServerOptimizerOptions
     plain: bool
     rows: Mapping[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # name -> (sites, vocab)
-    # Tensor name -> the server step's extrapolation factor (fedexp), filled in as tensors are merged.
-    scales: dict[str, float] = dataclasses.field(default_factory=dict)
     # Site index -> (header, parts folder, its Rebuilder) of the sites that sent compressed updates.
     updates: Mapping[int, tuple] = dataclasses.field(default_factory=dict)
+    # Tensor name -> the server step's extrapolation factor (fedexp), filled in as tensors are merged.
+    scales: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def _write_merged(
