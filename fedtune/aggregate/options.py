@@ -85,7 +85,8 @@ SERVER_OPTIMIZERS: dict[str, ServerOptimizerEntry] = {
         ServerOptimizerEntry(
             "fedavgm", "fedavgm", {"lr": 1.0, "momentum": 0.5}, ("m",), low_rank=True, plain_first_step=True
         ),
-        ServerOptimizerEntry("fedexp", "fedexp", {"lr": 1.0}, extrapolates=True),
+        # sgd's step; the merge scales it by the extrapolation factor, which reads every site's update
+        ServerOptimizerEntry("fedexp", "sgd", {"lr": 1.0}, extrapolates=True),
         ServerOptimizerEntry("fedadam", "fedadam", _ADAPTIVE, ("m", "v")),
         ServerOptimizerEntry("fedyogi", "fedyogi", _ADAPTIVE, ("m", "v")),
         ServerOptimizerEntry("fedadagrad", "fedadagrad", _ADAPTIVE, ("m", "v")),

@@ -43,11 +43,6 @@ def sgd(options, delta, state, out):
     return delta.mul_(options.lr)
 
 
-def fedexp(options, delta, state, out):
-    # The extrapolation factor is the merge's (fedexp_scale): it reads every site's update, not delta.
-    return delta.mul_(options.lr)
-
-
 def fedexp_scale(spread: float, merged: float, sites: int) -> float:
     """FedExP's server step for one tensor: eta = sum_i w_i ||Delta_i||^2 / (2 ||Delta||^2), where
     Delta = sum_i w_i Delta_i is the merged update, clipped to [1, sites]. Where the sites' updates
