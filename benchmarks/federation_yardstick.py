@@ -168,7 +168,7 @@ class Cell:
     def __init__(self, args, seed: int, work: Path):
         self.args, self.seed, self.work = args, seed, work
         if args.regime == "scratch" or args.set == TOPICS:
-            family_sites = corpora.split_sites(args.half, args.sites, TRAIN_DOCS, TEST_DOCS, args.iid)
+            family_sites = corpora.split_sites(args.half, args.sites, args.train_docs, TEST_DOCS, args.iid)
         else:
             family_sites = fine_tuning_sites(args.half, args.set, args.text)
         self.data = {s.name: s for s in family_sites}
@@ -176,6 +176,11 @@ class Cell:
         self._write_text()
         self.run = cell_runs(self.sites, work / "text", args, seed)
         self.base = work / "base"
+        # Scored where the train stage trains (its device: auto, cuda or cpu), as the evaluate stage does.
+        import torch
+
+        train_device = next(iter(self.run.values())).pooled.device
+        self.device = "cpu" if train_device == "cpu" or not torch.cuda.is_available() else "cuda"
         self._base_model()
         self.manifests = self._tokenize()
         self.test_ids = self._test_ids()
@@ -256,7 +261,7 @@ class Cell:
         loaded as the evaluate stage loads it."""
         from fedtune.evaluate.scores import load, score
 
-        model, _ = load(model_dir, base=base)
+        model, _ = load(model_dir, base=base, device=self.device)
         options = next(iter(self.run.values())).evaluate
         result = {}
         for site, ids in self.test_ids.items():
@@ -392,7 +397,7 @@ def run_cell(args, seed: int) -> list[dict]:
     label = dict(
         regime=args.regime, set=args.set or "", half=args.half, split="iid" if args.iid else "topic",
         sites=len(cell.sites), participation=args.participation, rounds=args.rounds, steps=args.steps,
-        seed=seed,
+        device=cell.device, seed=seed,
     )  # fmt: skip
     chosen = _chosen(args)
     models = [("pooled", None)] + [(s, s) for s in args.strategies]
@@ -441,6 +446,8 @@ def read_results(paths) -> pd.DataFrame:
             frame["embedding_factor"] = 1.0
         if "regime" not in frame:  # written before the fine-tuning regimes
             frame["regime"], frame["set"] = "scratch", ""
+        if "device" not in frame:  # written before a run on a GPU: every earlier one ran on CPUs
+            frame["device"] = "cpu"
         # The scratch regime's empty set name reads back as NaN.
         frame["set"] = frame["set"].astype(object).where(frame["set"].notna(), "")
         frames.append(frame)
@@ -470,7 +477,7 @@ def _append(path: Path, rows: list[dict]) -> None:
     frame.to_csv(path, mode="a", header=not path.is_file(), index=False)
 
 
-CELL = ["regime", "set", "half", "split", "sites", "participation", "rounds", "steps"]
+CELL = ["regime", "set", "half", "split", "sites", "participation", "rounds", "steps", "device"]
 
 
 def best_factors(frame: pd.DataFrame) -> pd.DataFrame:
@@ -583,6 +590,11 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--work", type=Path, default=ROOT / ".cache" / "yardstick")
     parser.add_argument("--out-csv", type=Path)
+    parser.add_argument(
+        "--train-docs", type=int, default=TRAIN_DOCS,
+        help=f"scratch and --sets topics: training documents per site (default {TRAIN_DOCS}; a corpus "
+        "with too few for many sites takes fewer: confirmation.md)",
+    )  # fmt: skip
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--summarise", type=Path, nargs="+", help="print yardstick.md's table of these CSVs")
     args = parser.parse_args(argv)
