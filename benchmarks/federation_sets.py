@@ -73,9 +73,9 @@ FINETUNE = {"tuning": ("de-fr", "ref-en+code"), "confirmation": ("it-cs", "ref-f
 
 
 def cut_for_fine_tuning(config: dict) -> None:
-    """The fine-tuning regimes' cut of a SmolLM2 example config, in place, shared by federation_bench.py
-    and federation_yardstick.py so that their cells compare: blocks of 64 tokens, 4 rounds of 3 steps
-    of 4 blocks, warmup 1 step, evaluation in disjoint windows of 64 tokens."""
+    """The fine-tuning regimes' cut of a SmolLM2 example config, in place (federation_yardstick.py's, as
+    the retired federation_bench.py cut it, so that their cells compare): blocks of 64 tokens, 4 rounds
+    of 3 steps of 4 blocks, warmup 1 step, evaluation in disjoint windows of 64 tokens."""
     config["tokenize"]["block_size"] = 64
     config["train"].update(max_steps=3, warmup_steps=1, micro_batch=4, global_batch=4)
     config["federation"]["rounds"] = 4
@@ -96,7 +96,7 @@ def site_documents(text_dir: Path, site: SiteSpec, half: str, test_documents: in
     for split, count in (("train", site.documents), ("test", test_documents)):
         path = folder / f"{split}.jsonl"
         if not path.is_file():
-            sys.exit(f"error: {path} is missing: run benchmarks/federation_bench.py prepare")
+            sys.exit(f"error: {path} is missing: run benchmarks/federation_sets.py prepare")
         texts = [json.loads(line)["text"] for line in path.open(encoding="utf-8")]
         if site.name == "code":  # disjoint modules for the two halves
             texts = texts[half == "confirmation" :: 2]
@@ -120,3 +120,23 @@ def prepare(text_dir: Path) -> None:
         command = [sys.executable, str(ROOT / "scripts" / "real-text"), "--out", str(text_dir),
                    "--source", source, "--languages", *sorted(languages), *caps]  # fmt: skip
         subprocess.run(command, check=True)
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        description="The fine-tuning sets' text, built once from Debian's packages."
+    )
+    parser.add_argument("command", choices=["prepare"])
+    parser.add_argument(
+        "--text", type=Path, default=ROOT / ".cache" / "fedbench" / "text",
+        help="where the sites' text goes (federation_yardstick.py --text reads it)",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    prepare(args.text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -29,10 +29,10 @@ swept: each model runs once at the point it won on the tuning half (--chosen).
 Regimes: `scratch` (default) builds the demo's model from scratch on manual pages split into sites by
 topic (benchmarks/federation_corpora.py). `finetune` fine-tunes SmolLM2-135M-Instruct's full weights from
 its GGUF file (scripts/fetch-smollm2; the product's gguf download, converted once into --work) with the
-settings of config/examples/smollm2-it-cs.yaml, cut as federation_bench.py cuts them
+settings of config/examples/smollm2-it-cs.yaml, cut as the retired federation_bench.py cut them
 (federation_sets.cut_for_fine_tuning: blocks of 64 tokens, steps of 4 blocks, 4 rounds of 3 steps
 unless --rounds / --steps say otherwise), on the fine-tuning sets of benchmarks/federation_sets.py
-(FINETUNE: de-fr and ref-en+code tune, it-cs and ref-fr+code confirm; text from `federation_bench.py
+(FINETUNE: de-fr and ref-en+code tune, it-cs and ref-fr+code confirm; text from `federation_sets.py
 prepare` in --text) with 40 test documents a site (37 for the English Debian Reference) cut to 1,500
 characters as in the scratch regime, or (`--sets topics`) on the half's corpus family split into
 --sites sites by topic, as the scratch regime splits it.
@@ -49,6 +49,12 @@ seeded by train.seed, here the cell's seed) and the benchmark trains and merges 
 only. The pooled model's token count is the product's too (federation.pooled_baseline's max_steps from
 the same draw): as many blocks as the sampled sites trained over all rounds, so at half participation
 half of what every site's every round would be.
+
+--exchange JSON is the product's federation.exchange for every strategy: each round's site models and
+aggregate cross the product's codec as files (benchmarks/federation_exchange.py), rows named
+<strategy>+<dtype>[+ef]. Training follows the config's train.device (auto: CUDA when present) and the
+scores are computed on the same device, recorded in the CSV's `device` column (benchmarks/gpu-checks/
+yardstick.sh runs cells on one GPU).
 """
 
 from __future__ import annotations
@@ -72,6 +78,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import federation_corpora as corpora  # noqa: E402
 import federation_sets as fine_sets  # noqa: E402
+from federation_exchange import Exchange  # noqa: E402
 
 from fedtune.core import config as fconfig  # noqa: E402
 
@@ -128,10 +135,11 @@ def cell_config(
     strategy: str,
     participation: float = 1.0,
     regime: str = "scratch",
+    exchange: dict | None = None,
 ) -> dict:
     """The regime's config (the demo's, or the SmolLM2 example's) with the cell's sites (their text in
-    `data`), rounds, steps, seed, strategy and participation (a fraction of the sites each round; 1:
-    every site, federation.participation null)."""
+    `data`), rounds, steps, seed, strategy, participation (a fraction of the sites each round; 1: every
+    site, federation.participation null) and federation.exchange (None: the config's)."""
     config = yaml.safe_load((ROOT / REGIME_CONFIGS[regime]).read_text())
     template = next(iter(config["sites"].values()))
     config["sites"] = {}
@@ -159,6 +167,8 @@ def cell_config(
     config["federation"]["rounds"] = rounds
     config["federation"]["participation"] = None if participation >= 1 else float(participation)
     config["aggregate"] = copy.deepcopy(STRATEGIES[strategy])
+    if exchange is not None:
+        config["federation"]["exchange"] = dict(exchange)
     return config
 
 
@@ -288,6 +298,8 @@ class Cell:
         root = self.work / f"{strategy}-x{factor:g}-emb{embedding:g}"
         start, state = self.base, None
         keep = run.site_optimizer == "keep"
+        # federation.exchange compressed: the sites' updates and the aggregate cross the product's codec.
+        exchange = Exchange(run.exchange, root / "exchange") if run.exchange.compressed else None
         for r in range(1, run.rounds + 1):
             plan = RoundPlan(r, run.rounds, run.lr_schedule)
             trained = {}
@@ -300,6 +312,8 @@ class Cell:
                     moments = (previous if previous.is_dir() else None, root / "optimizer-next" / site)
                 out = root / f"round-{r}" / site
                 trained[site] = self.train(site, start, [self.manifests[site]], options, plan, out, moments)
+                if exchange is not None:  # what the merge rebuilds from the site's compressed update
+                    trained[site] = exchange.send(r, site, out, start)
                 if keep:
                     shutil.rmtree(previous, ignore_errors=True)
                     shutil.move(moments[1], previous)
@@ -309,23 +323,42 @@ class Cell:
                 merge_adapter_round(trained, merged, run.aggregate, manifests, start, state, state_out)
             else:
                 merge_round(trained, merged, run.aggregate, manifests, start, state, state_out)
+            if exchange is not None:  # the aggregate back, compressed: every site continues from it
+                sent = exchange.send(r, "aggregate", merged, start)
+                shutil.rmtree(merged)
+                merged = sent
             if start != self.base:
-                shutil.rmtree(start)
+                shutil.rmtree(start, ignore_errors=True)  # with an exchange, gone with its round
             if state is not None:
                 shutil.rmtree(state)
             shutil.rmtree(root / f"round-{r}")
             start, state = merged, state_out
         result = self.perplexity(start)
+        if exchange is not None:
+            print(f"  exchange {run.exchange.dtype}: {exchange.sent_fraction():.4f} of the models' bytes "
+                  "crossed, both ways", flush=True)  # fmt: skip
         shutil.rmtree(root)
         return result
 
 
+def model_name(strategy: str, args) -> str:
+    """A strategy's name in the CSV: with a compressed --exchange, followed by +<dtype>[+ef]."""
+    exchange = getattr(args, "exchange", None)
+    if not exchange:
+        return strategy
+    options = fconfig.ExchangeOptions.from_mapping(exchange, "--exchange")
+    if not options.compressed:
+        return strategy
+    return f"{strategy}+{options.dtype}" + ("+ef" if options.keeps_residual else "")
+
+
 def cell_runs(sites: list[str], data: Path, args, seed: int) -> dict:
     """Each strategy's RunConfig for the cell, built by the product from the regime's config."""
+    cut = (args.rounds, args.steps, seed)
+    exchange = getattr(args, "exchange", None)
     return {
         name: fconfig.build_run_config(
-            cell_config(sites, data, args.rounds, args.steps, seed, name, args.participation, args.regime),
-            base_dir=ROOT,
+            cell_config(sites, data, *cut, name, args.participation, args.regime, exchange), base_dir=ROOT
         )
         for name in args.strategies
     }
@@ -400,10 +433,10 @@ def run_cell(args, seed: int) -> list[dict]:
         device=cell.device, seed=seed,
     )  # fmt: skip
     chosen = _chosen(args)
-    models = [("pooled", None)] + [(s, s) for s in args.strategies]
+    models = [("pooled", None)] + [(model_name(s, args), s) for s in args.strategies]
     for model, strategy in models:
         if chosen:
-            points = [chosen[model]]
+            points = [chosen[strategy or "pooled"]]
         elif strategy is None:
             points = [(f, e) for f in args.pooled_lr_factors for e in args.pooled_embedding_factors]
         else:
@@ -554,7 +587,7 @@ def main(argv=None) -> int:
     )
     parser.add_argument(
         "--text", type=Path, default=ROOT / ".cache" / "fedbench" / "text",
-        help="finetune: the sets' text (benchmarks/federation_bench.py prepare)",
+        help="finetune: the sets' text (benchmarks/federation_sets.py prepare)",
     )  # fmt: skip
     parser.add_argument("--sites", type=int, default=2)
     parser.add_argument("--iid", action="store_true", help="the IID control: the same text dealt at random")
@@ -594,6 +627,12 @@ def main(argv=None) -> int:
         "--train-docs", type=int, default=TRAIN_DOCS,
         help=f"scratch and --sets topics: training documents per site (default {TRAIN_DOCS}; a corpus "
         "with too few for many sites takes fewer: confirmation.md)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--exchange", type=json.loads,
+        help="federation.exchange (JSON) for every strategy, e.g. '{\"dtype\": \"int8\"}': each round's site "
+        "updates and aggregate cross the product's codec as files (benchmarks/federation_exchange.py); the "
+        "strategies' rows are named <strategy>+<dtype>[+ef]",
     )  # fmt: skip
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--summarise", type=Path, nargs="+", help="print yardstick.md's table of these CSVs")

@@ -119,10 +119,10 @@ def test_checkpoint_writer_group_follows_a_new_world(tmp_path, monkeypatch):
 
 
 def test_benchmark_exchange_is_the_workflows_codec_bit_for_bit(tmp_path, tiny_model_dir):
-    """federation_bench.py --exchange: two rounds of a site's update and the aggregate's, each the bits
-    that `python -m fedtune.core.updates compress` then `decode` (what compress_update, decode_site_model,
-    compress_aggregate and decode_aggregate run) give from the same model folders, the residual of the
-    round before included."""
+    """federation_yardstick.py --exchange: two rounds of a site's update and the aggregate's, each the
+    bits that `python -m fedtune.core.updates compress` then `decode` (what compress_update,
+    decode_site_model, compress_aggregate and decode_aggregate run) give from the same model folders,
+    the residual of the round before included."""
     import federation_exchange
     import torch
     from safetensors.torch import load_file
@@ -133,55 +133,79 @@ def test_benchmark_exchange_is_the_workflows_codec_bit_for_bit(tmp_path, tiny_mo
 
     model, tokenizer = load_causal_lm(tiny_model_dir), load_tokenizer(tiny_model_dir)
     options = ExchangeOptions(dtype="int8", error_feedback=True)
-    bench = federation_exchange.Exchange(options, model, tokenizer, tmp_path / "bench")
-    base = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    start = bench_start = bench.save(base, tmp_path / "base")
+    bench = federation_exchange.Exchange(options, tmp_path / "bench")
     g = torch.Generator().manual_seed(0)
 
-    def moved(state):  # a training round's change: small, and not on int8's grid
-        return {k: v + 1e-3 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
-                for k, v in state.items()}  # fmt: skip
+    def moved(folder: Path, out: Path) -> Path:  # a training round's change: small, off int8's grid
+        state = load_causal_lm(folder).state_dict()
+        model.load_state_dict({k: v + 1e-3 * torch.randn(v.shape, generator=g) for k, v in state.items()})
+        save_model(model, tokenizer, out)
+        return out
 
-    def product(r, item, state, start):
-        """The rules' commands on the same model folder: the rebuilt weights, and the new start."""
+    def product(r, item, model_dir, start):
+        """The rules' commands on the same model folder: the rebuilt model's folder."""
         folder = tmp_path / "cli" / f"round-{r}" / item
-        model.load_state_dict(state)
-        save_model(model, tokenizer, folder / "model")
         residual = ["--residual-out", str(folder / "residual")]
         if r > 1:
             residual += ["--residual-in", str(tmp_path / "cli" / f"round-{r - 1}" / item / "residual")]
-        assert updates.main(["compress", "--model", str(folder / "model"), "--start", str(start),
+        assert updates.main(["compress", "--model", str(model_dir), "--start", str(start),
                              "--options", options.to_json(), *residual, "--out", str(folder / "update")]) == 0  # fmt: skip
         assert updates.main(["decode", "--update", str(folder / "update"), "--start", str(start),
                              "--out", str(folder / "rebuilt")]) == 0  # fmt: skip
-        return load_file(folder / "rebuilt" / "model.safetensors"), folder / "rebuilt"
+        return folder / "rebuilt"
 
-    state = base
+    def same(a: Path, b: Path) -> bool:
+        x, y = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+        return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+    start = bench_start = tiny_model_dir
     for r in (1, 2):
-        trained = moved(state)
-        site = bench.site(r, "a", trained, bench_start)
-        expected, _ = product(r, "a", trained, start)
-        assert expected and all(torch.equal(site[name], t) for name, t in expected.items())
+        trained = moved(start, tmp_path / f"trained-{r}")
+        site = bench.send(r, "a", trained, bench_start)
+        assert same(site, product(r, "a", trained, start))
         # The codec did round: the merge sees what was sent, not what was trained.
-        assert not torch.equal(
-            site["model.layers.0.mlp.up_proj.weight"], trained["model.layers.0.mlp.up_proj.weight"]
-        )
-        merged = moved(site)
-        state, bench_start = bench.aggregate(r, merged, bench_start)
-        expected, start = product(r, "aggregate", merged, start)
-        assert all(torch.equal(state[name], t) for name, t in expected.items())
+        assert not same(site, trained)
+        merged = moved(site, tmp_path / f"merged-{r}")
+        bench_start = bench.send(r, "aggregate", merged, bench_start)
+        start = product(r, "aggregate", merged, start)
+        assert same(bench_start, start)
+    assert not (tmp_path / "bench" / "round-1").exists()  # the round before, gone once it is not read
     assert [(b["round"], b["item"]) for b in bench.bytes] == [
         (1, "a"),
         (1, "aggregate"),
         (2, "a"),
         (2, "aggregate"),
     ]
-    assert all(b["update_bytes"] < b["model_bytes"] / 3 for b in bench.bytes)  # int8 of a float32 model
+    assert bench.sent_fraction() < 1 / 3  # int8 of a float32 model
+
+
+def test_yardstick_names_compressed_exchange_rows_and_sets_the_config(tmp_path):
+    """--exchange reaches the product's config (federation.exchange, validated by its schema) and names
+    the strategies' rows <strategy>+<dtype>[+ef]; the pooled model and an uncompressed exchange keep
+    their names."""
+    from argparse import Namespace
+
+    for site in ("a", "b"):
+        (tmp_path / site).mkdir()
+        for split in ("train", "test"):
+            (tmp_path / site / f"{split}.jsonl").write_text('{"text": "x"}\n')
+    args = Namespace(rounds=2, steps=2, participation=1.0, strategies=["fedavg"], regime="scratch",
+                     exchange={"dtype": "int8", "error_feedback": True})  # fmt: skip
+    run = federation_yardstick.cell_runs(["a", "b"], tmp_path, args, 0)["fedavg"]
+    assert run.exchange.dtype == "int8" and run.exchange.keeps_residual
+    assert federation_yardstick.model_name("fedavg", args) == "fedavg+int8+ef"
+    args.exchange = {"dtype": "int4", "error_feedback": False}
+    assert federation_yardstick.model_name("fedavg", args) == "fedavg+int4"
+    args.exchange = {"dtype": "full"}
+    assert federation_yardstick.model_name("fedavg", args) == "fedavg"
+    args.exchange = {"dtype": "int3"}
+    with pytest.raises(federation_yardstick.fconfig.ConfigError, match="int3"):
+        federation_yardstick.cell_runs(["a", "b"], tmp_path, args, 0)
 
 
 def test_fine_tuning_cell_is_the_smollm2_example_cut_and_old_csvs_read_as_scratch(tmp_path):
     # The fine-tuning regime's cell goes through the product's config (schema and all): the SmolLM2
-    # example's model and settings, federation_bench.py's cut, the cell's seed and strategy.
+    # example's model and settings, the fine-tuning cut, the cell's seed and strategy.
     for site in ("help_de", "help_fr"):
         (tmp_path / site).mkdir()
         for split in ("train", "test"):
