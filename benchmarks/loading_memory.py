@@ -201,6 +201,7 @@ def measure(
         "peak_pss_mb": round(peak_pss / 1024, 1),
         "peak_pss_anon_mb": round(peak_anon / 1024, 1),
         "own_peaks_rss_mb": round(sum(own_peak.values()) / 1024, 1),
+        "own_peak_each_mb": sorted(round(v / 1024, 1) for v in own_peak.values()),
         "seconds_to_loaded": round(time.perf_counter() - started, 1),
     }
 

@@ -45,13 +45,14 @@ def test_loading_once_holds_clearly_fewer_copies_than_loading_per_rank(models):
     env = dict(os.environ)
     baseline = loading_memory.measure(small_dir, small_manifest, 2, "once", root / "base", env=env)
     once = loading_memory.measure(model_dir, manifest, 2, "once", root / "once", env=env)
-    per_rank = loading_memory.measure(model_dir, manifest, 2, "per-rank", root / "per-rank", env=env)
+    per_rank = _every_rank_loaded(model_dir, manifest, root / "per-rank", env)
     assert once["processes_seen"] == per_rank["processes_seen"] == 2
     after = loading_memory.model_share(once, baseline, params)
     before = loading_memory.model_share(per_rank, baseline, params)
     print(
         f"fp32 copies while loading, per rank / once: node {before['copies_pss']} / {after['copies_pss']}, "
-        f"own peaks {before['copies_own_peaks']} / {after['copies_own_peaks']}"
+        f"own peaks {before['copies_own_peaks']} / {after['copies_own_peaks']}; the ranks' own peaks per rank "
+        f"{per_rank['own_peak_each_mb']} MB"
     )
     assert after["copies_pss"] < BOUND, after
     # Every rank converting its own bf16 checkpoint to fp32 holds a whole copy at its own peak. Compared
@@ -60,6 +61,20 @@ def test_loading_once_holds_clearly_fewer_copies_than_loading_per_rank(models):
     # fell to the once path's (1.158 against 1.177 in the suite; 0.755 against 1.26 beside four busy
     # loops), while the own peaks kept their distance (3.11 against 1.44 quiet, 2.53 against 1.66 loaded).
     assert before["copies_own_peaks"] - after["copies_own_peaks"] >= MARGIN, (before, after)
+
+
+def _every_rank_loaded(model_dir, manifest, run_dir, env, tries: int = 3) -> dict:
+    """The per-rank path measured until both ranks had loaded when rank 0 said so. The measure stops at
+    rank 0's first line after loading; on a loaded machine the other rank can start late and be caught
+    before its own load (one rank's peak a fraction of the other's: 1.33 copies in all, seen in a suite
+    beside two benchmarks), which is no reading of the path at all. Each rank loading the whole model,
+    their own peaks are alike once both have loaded."""
+    for attempt in range(tries):
+        run = loading_memory.measure(model_dir, manifest, 2, "per-rank", run_dir / str(attempt), env=env)
+        low, high = run["own_peak_each_mb"][0], run["own_peak_each_mb"][-1]
+        if low >= 0.8 * high:
+            return run
+    return run  # the margin's assertion reports it
 
 
 def test_both_paths_start_from_the_same_weights(tiny_model_dir, site_manifest, tmp_path, monkeypatch):
