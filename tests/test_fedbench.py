@@ -243,6 +243,8 @@ def test_fine_tuning_cell_is_the_smollm2_example_cut_and_old_csvs_read_as_scratc
     )
     frame = federation_yardstick.read_results([old])
     assert frame.loc[0, ["regime", "set", "embedding_factor"]].tolist() == ["scratch", "", 1.0]
+    assert frame.loc[0, "device"] == "cpu"  # every run before the GPU one was on CPUs
+    assert "device" in federation_yardstick.CELL  # a GPU's cells are tables of their own
 
 
 def test_benchmark_adapter_round_is_the_workflows_commands_byte_for_byte(tmp_path):
