@@ -341,15 +341,12 @@ class Cell:
         return result
 
 
-def model_name(strategy: str, args) -> str:
-    """A strategy's name in the CSV: with a compressed --exchange, followed by +<dtype>[+ef]."""
-    exchange = getattr(args, "exchange", None)
-    if not exchange:
+def model_name(strategy: str, exchange) -> str:
+    """A strategy's name in the CSV: with a compressed exchange (its RunConfig's, as --exchange set it),
+    followed by +<dtype>[+ef]."""
+    if not exchange.compressed:
         return strategy
-    options = fconfig.ExchangeOptions.from_mapping(exchange, "--exchange")
-    if not options.compressed:
-        return strategy
-    return f"{strategy}+{options.dtype}" + ("+ef" if options.keeps_residual else "")
+    return f"{strategy}+{exchange.dtype}" + ("+ef" if exchange.keeps_residual else "")
 
 
 def cell_runs(sites: list[str], data: Path, args, seed: int) -> dict:
@@ -433,7 +430,7 @@ def run_cell(args, seed: int) -> list[dict]:
         device=cell.device, seed=seed,
     )  # fmt: skip
     chosen = _chosen(args)
-    models = [("pooled", None)] + [(model_name(s, args), s) for s in args.strategies]
+    models = [("pooled", None)] + [(model_name(s, cell.run[s].exchange), s) for s in args.strategies]
     for model, strategy in models:
         if chosen:
             points = [chosen[strategy or "pooled"]]

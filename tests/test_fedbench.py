@@ -191,13 +191,18 @@ def test_yardstick_names_compressed_exchange_rows_and_sets_the_config(tmp_path):
             (tmp_path / site / f"{split}.jsonl").write_text('{"text": "x"}\n')
     args = Namespace(rounds=2, steps=2, participation=1.0, strategies=["fedavg"], regime="scratch",
                      exchange={"dtype": "int8", "error_feedback": True})  # fmt: skip
+
+    def name() -> str:
+        run = federation_yardstick.cell_runs(["a", "b"], tmp_path, args, 0)["fedavg"]
+        return federation_yardstick.model_name("fedavg", run.exchange)
+
     run = federation_yardstick.cell_runs(["a", "b"], tmp_path, args, 0)["fedavg"]
     assert run.exchange.dtype == "int8" and run.exchange.keeps_residual
-    assert federation_yardstick.model_name("fedavg", args) == "fedavg+int8+ef"
+    assert name() == "fedavg+int8+ef"
     args.exchange = {"dtype": "int4", "error_feedback": False}
-    assert federation_yardstick.model_name("fedavg", args) == "fedavg+int4"
+    assert name() == "fedavg+int4"
     args.exchange = {"dtype": "full"}
-    assert federation_yardstick.model_name("fedavg", args) == "fedavg"
+    assert name() == "fedavg"
     args.exchange = {"dtype": "int3"}
     with pytest.raises(federation_yardstick.fconfig.ConfigError, match="int3"):
         federation_yardstick.cell_runs(["a", "b"], tmp_path, args, 0)
