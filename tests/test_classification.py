@@ -17,7 +17,7 @@ import torch
 from fedtune.core.config import DatasetOptions, EvaluateOptions, ModelOptions
 from fedtune.core.models import CLASSIFICATION, ModelError, load_model, load_tokenizer, model_task
 from fedtune.download.fetch import DownloadError, download_data, download_model
-from fedtune.evaluate.scores import EvaluateError, classification_metrics, evaluate
+from fedtune.evaluate.scores import EvalJob, EvaluateError, classification_metrics, evaluate
 from fedtune.tokenize.shards import TokenizeError, encode_examples, tokenize_shard, verify_shard
 from tests.conftest import TINY_ARCHITECTURE, corpus
 from tests.workflow_harness import planned_jobs, snakemake, write_config
@@ -273,8 +273,8 @@ def test_evaluate_scores_predictions_with_padding_masked(classifier_dir, tmp_pat
     # stride belongs to perplexity windows: a classifier ignores it, even one above max_length.
     settings = dict(task=CLASSIFICATION, max_length=24, stride=512)
     batched, single = (
-        evaluate(classifier_dir, tmp_path / "raw", EvaluateOptions.from_mapping({**settings, "batch_size": size}),
-                 device="cpu", template="{text}")
+        evaluate(EvalJob(classifier_dir, tmp_path / "raw", template="{text}"),
+                 EvaluateOptions.from_mapping({**settings, "batch_size": size}), device="cpu")
         for size in (8, 1)
     )  # fmt: skip
     model = load_model(classifier_dir, task=CLASSIFICATION).eval()
@@ -294,7 +294,9 @@ def test_evaluate_refuses_a_missing_label_column(classifier_dir, tmp_path):
 
     DatasetDict({"test": Dataset.from_dict({"text": ["a"]})}).save_to_disk(tmp_path / "raw")
     with pytest.raises(EvaluateError, match="--label-field: .* has no column 'label'"):
-        evaluate(classifier_dir, tmp_path / "raw", EvaluateOptions.from_mapping({"task": CLASSIFICATION}))
+        evaluate(
+            EvalJob(classifier_dir, tmp_path / "raw"), EvaluateOptions.from_mapping({"task": CLASSIFICATION})
+        )
 
 
 # -- aggregate ------------------------------------------------------------------------------------------

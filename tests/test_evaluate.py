@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fedtune.core.config import ConfigError, EvaluateOptions
-from fedtune.evaluate.scores import EvaluateError, Window, build_stream, evaluate, score, windows
+from fedtune.evaluate.scores import EvalJob, EvaluateError, Window, build_stream, evaluate, score, windows
 
 TEMPLATE = "Scrivi: {text}"
 
@@ -123,7 +123,7 @@ def test_perplexity_matches_hand_loops(tiny_model_dir, model_and_tokenizer, raw_
         assert count == len(ids) - 1
     # A batch size that does not divide the window count: the last batch holds a padded short window.
     settings = options(max_length=max_length, stride=stride, batch_size=3)
-    result = evaluate(tiny_model_dir, data, settings, template=TEMPLATE)
+    result = evaluate(EvalJob(tiny_model_dir, data, template=TEMPLATE), settings)
     assert result["tokens"] == count
     assert result["stream_tokens"] == len(ids)
     assert result["windows"] == len(windows(len(ids), max_length, stride))
@@ -135,7 +135,7 @@ def test_perplexity_matches_hand_loops(tiny_model_dir, model_and_tokenizer, raw_
 def test_bits_per_byte(tiny_model_dir, raw_data):
     data, texts = raw_data
     result = evaluate(
-        tiny_model_dir, data, options(max_length=64, stride=32, max_documents=5), template=TEMPLATE
+        EvalJob(tiny_model_dir, data, template=TEMPLATE), options(max_length=64, stride=32, max_documents=5)
     )
     n_bytes = sum(len(TEMPLATE.format(text=t).encode("utf-8")) for t in texts[:5])
     assert result["documents"] == 5 and result["bytes"] == n_bytes
@@ -150,13 +150,13 @@ def test_bits_per_byte(tiny_model_dir, raw_data):
 def test_option_and_data_errors(tiny_model_dir, raw_data):
     data, _ = raw_data
     with pytest.raises(EvaluateError, match="--split"):
-        evaluate(tiny_model_dir, data, options(), split="validation")
+        evaluate(EvalJob(tiny_model_dir, data, split="validation"), options())
     with pytest.raises(EvaluateError, match="--text-field"):
-        evaluate(tiny_model_dir, data, options(), text_field="body")
+        evaluate(EvalJob(tiny_model_dir, data, text_field="body"), options())
     with pytest.raises(ConfigError, match=r"max_length: 512 exceeds the model's maximum positions \(256\)"):
-        evaluate(tiny_model_dir, data, options(max_length=512))
+        evaluate(EvalJob(tiny_model_dir, data), options(max_length=512))
     with pytest.raises(ConfigError, match="--template"):
-        evaluate(tiny_model_dir, data, options(), template="{text} {other}")
+        evaluate(EvalJob(tiny_model_dir, data, template="{text} {other}"), options())
 
 
 def test_cli_writes_result(tiny_model_dir, raw_data, tmp_path, monkeypatch):
@@ -297,14 +297,14 @@ def test_options_are_the_single_source_of_the_settings(tiny_model_dir, raw_data,
     data, _ = raw_data
     settings = options(max_length=32, stride=16, batch_size=2).for_run("causal-lm", False, block_size=64)
     assert settings.max_length == 32  # a language model keeps evaluate.max_length
-    direct = evaluate(tiny_model_dir, data, settings, template=TEMPLATE)
+    direct = evaluate(EvalJob(tiny_model_dir, data, template=TEMPLATE), settings)
     out = tmp_path / "alpha.json"
     argv = ["--model", str(tiny_model_dir), "--data", str(data), "--template", TEMPLATE, "--out", str(out)]
     assert main([*argv, "--options", settings.perplexity_json()]) == 0
     result = json.loads(out.read_text())
     assert result["add_bos"] is False and result["stride"] == 16 and result["batch_size"] == 2
     assert result["perplexity"] == direct["perplexity"] and result["tokens"] == direct["tokens"]
-    with_bos = evaluate(tiny_model_dir, data, options(max_length=32, stride=16), template=TEMPLATE)
+    with_bos = evaluate(EvalJob(tiny_model_dir, data, template=TEMPLATE), options(max_length=32, stride=16))
     assert with_bos["stream_tokens"] > result["stream_tokens"]
     # A classifier is cut where training cut it: tokenize.block_size, not evaluate.max_length.
     assert options(max_length=32).for_run("sequence-classification", True, block_size=64).max_length == 64

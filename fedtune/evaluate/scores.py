@@ -60,6 +60,24 @@ class Stream:
     bytes: int
 
 
+@dataclass(frozen=True)
+class EvalJob:
+    """One model scored on one site's split: this job's facts (paths, the site's columns and template,
+    the model's label and round), where EvaluateOptions holds the run's settings. `base`: the base model
+    of an adapter folder (train.adapter), evaluated as base + adapter without merging."""
+
+    model_dir: str | Path
+    data_dir: str | Path
+    split: str = "test"
+    text_field: str = "text"
+    template: str = "{text}"
+    label_field: str = "label"
+    site: str | None = None
+    label: str | None = None
+    round_number: int | None = None
+    base: str | Path | None = None
+
+
 def windows(n_tokens: int, max_length: int, stride: int | None = None) -> list[Window]:
     """The HF perplexity guide's windows over a stream of n_tokens; stride None means disjoint blocks."""
     stride = max_length if stride is None else stride
@@ -207,32 +225,21 @@ def classify(
     return predictions, all_logits
 
 
-def evaluate_classifier(
-    model_dir: str | Path,
-    data_dir: str | Path,
-    *,
-    split: str,
-    text_field: str,
-    label_field: str,
-    template: str,
-    max_length: int,
-    batch_size: int,
-    max_documents: int | None,
-    dtype: str | None,
-    device: str,
-    base: str | Path | None = None,
-    loaded: tuple | None = None,
-) -> dict:
+def evaluate_classifier(job: EvalJob, options: EvaluateOptions, device: str, loaded: tuple | None) -> dict:
     import numpy as np
     import torch
 
+    model_dir, data_dir, split, label_field = job.model_dir, job.data_dir, job.split, job.label_field
+    max_length, batch_size = options.max_length, options.batch_size
     data = load_split(
-        data_dir, split, {"--text-field": text_field, "--label-field": label_field}, max_documents
+        data_dir, split, {"--text-field": job.text_field, "--label-field": label_field}, options.max_documents
     )
     labels = np.asarray(data.with_format("numpy")[label_field])
     if len(labels) == 0:
         raise EvaluateError(f"{data_dir} ({split}): no documents to classify")
-    model, tokenizer = loaded or load(model_dir, base=base, task=CLASSIFICATION, dtype=dtype, device=device)
+    model, tokenizer = loaded or load(
+        model_dir, base=job.base, task=CLASSIFICATION, dtype=options.dtype, device=device
+    )
     num_labels = model.config.num_labels
     problem = label_problem(labels, num_labels)
     if problem:
@@ -241,7 +248,7 @@ def evaluate_classifier(
         )
     try:
         rows, lengths, _, truncated, n_bytes = encode_examples(
-            data[text_field], tokenizer, template, max_length
+            data[job.text_field], tokenizer, job.template, max_length
         )
     except TokenizeError as e:
         raise EvaluateError(str(e)) from None
@@ -278,26 +285,11 @@ def load(model_dir, *, base=None, task: str = CAUSAL_LM, dtype: str | None = Non
 
 
 def evaluate(
-    model_dir: str | Path,
-    data_dir: str | Path,
-    options: EvaluateOptions,
-    *,
-    split: str = "test",
-    text_field: str = "text",
-    template: str = "{text}",
-    label_field: str = "label",
-    site: str | None = None,
-    label: str | None = None,
-    round_number: int | None = None,
-    base: str | Path | None = None,
-    device: str | None = None,
-    loaded: tuple | None = None,
+    job: EvalJob, options: EvaluateOptions, device: str | None = None, loaded: tuple | None = None
 ) -> dict:
-    """Scores of one model on one split, as `options` (the evaluate section with the run's task and BOS
-    choice, EvaluateOptions.for_run) says; the rest are this job's facts: the paths, the site's columns
-    and template, the model's label and round. `base`: the base model of an adapter folder
-    (train.adapter), evaluated as base + adapter without merging. `loaded`: (model, tokenizer) as `load`
-    returned them for this model, device and dtype, so that one load serves every site."""
+    """Scores of one model on one split (`job`), as `options` (the evaluate section with the run's task
+    and BOS choice, EvaluateOptions.for_run) says. `loaded`: (model, tokenizer) as `load` returned them
+    for this model, device and dtype, so that one load serves every site."""
     import torch
 
     started = time.perf_counter()
@@ -308,37 +300,34 @@ def evaluate(
         windows(max_length, max_length, stride)  # option checks, before loading anything
     if batch_size < 1:
         raise EvaluateError(f"batch_size: {batch_size} must be at least 1")
-    check_template(template, "--template")
+    check_template(job.template, "--template")
+    model_dir, data_dir, split, base = job.model_dir, job.data_dir, job.split, job.base
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     check_device(device)  # a GPU this torch build cannot drive stops here, not at the first kernel
     identity = {
-        "model": label or Path(model_dir).name,
+        "model": job.label or Path(model_dir).name,
         "model_dir": str(model_dir),
-        "round": round_number,
-        "site": site,
+        "round": job.round_number,
+        "site": job.site,
         "task": task,
         "data": str(data_dir),
         "split": split,
         "base": str(base) if base is not None and adapters.is_adapter(model_dir) else None,
     }
     if task == CLASSIFICATION:
-        scores = evaluate_classifier(
-            model_dir, data_dir, split=split, text_field=text_field, label_field=label_field,
-            template=template, max_length=max_length, batch_size=batch_size, max_documents=max_documents,
-            dtype=dtype, device=device, base=base, loaded=loaded,
-        )  # fmt: skip
+        scores = evaluate_classifier(job, options, device, loaded)
         return {
             **identity,
             **scores,
-            "template": template,
+            "template": job.template,
             "device": str(device),
             "wall_time_s": round(time.perf_counter() - started, 3),
         }
 
-    texts = load_texts(data_dir, split, text_field, max_documents)
+    texts = load_texts(data_dir, split, job.text_field, max_documents)
     weights = adapters.weights_folder(model_dir, base)
     tokenizer = loaded[1] if loaded else load_tokenizer(weights)
-    stream = build_stream(texts, tokenizer, template, add_bos=add_bos)
+    stream = build_stream(texts, tokenizer, job.template, add_bos=add_bos)
     if len(stream.ids) < 2:
         raise EvaluateError(f"{data_dir} ({split}): {len(stream.ids)} tokens, nothing to score")
     model_config = weights / "config.json"
@@ -348,7 +337,7 @@ def evaluate(
 
     nll, scored, n_windows = score(
         model, stream.ids, max_length, stride, batch_size, device,
-        desc=f"evaluate {label or Path(model_dir).name} on {site or data_dir} ({split})",
+        desc=f"evaluate {job.label or Path(model_dir).name} on {job.site or data_dir} ({split})",
     )  # fmt: skip
     mean = nll / scored
     return {
@@ -365,7 +354,7 @@ def evaluate(
         "max_length": max_length,
         "stride": stride if stride is not None else max_length,
         "batch_size": batch_size,
-        "template": template,
+        "template": job.template,
         "add_bos": add_bos,
         "device": str(device),
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
@@ -433,10 +422,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # One load of the model for every site.
     loaded = load(args.model, base=args.base, task=options.task, dtype=options.dtype, device=device)
     for job in sites:
-        result = evaluate(
+        scored = EvalJob(
             args.model,
             job["data"],
-            options,
             split=args.split,
             text_field=job["text_field"],
             template=job["template"],
@@ -445,9 +433,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             label=args.label,
             round_number=args.round,
             base=args.base,
-            device=device,
-            loaded=loaded,
         )
+        result = evaluate(scored, options, device, loaded)
         write_json(job["out"], result)
         if tracked is not None:
             tracking.log_evaluation(tracked, result, run=args.run_name)
