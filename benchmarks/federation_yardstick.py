@@ -55,6 +55,16 @@ aggregate cross the product's codec as files (benchmarks/federation_exchange.py)
 <strategy>+<dtype>[+ef]. Training follows the config's train.device (auto: CUDA when present) and the
 scores are computed on the same device, recorded in the CSV's `device` column (benchmarks/gpu-checks/
 yardstick.sh runs cells on one GPU).
+
+Issue 51 (benchmarks/results/federation/plan-issue-51.md): --pooled-modes serial sync trains, beside the
+serial pooled model (`pooled`, pooled/model: a site's batch, M times a site's steps), the synchronous
+data-parallel one (`pooled-sync`, federation.pooled_sync: M times the batch by gradient accumulation, a
+site's steps, the same tokens), swept on the same pooled grid; --summarise then adds each model's gap to
+it (`geo_sync_*`, `site_sync_worst`). The strategies `fedavg-keep` (federation.site_optimizer keep) and
+`diloco-olr<outer>` (keep plus aggregate.server_optimizer nesterov, momentum 0.9, outer lr 0.5, 0.7 or
+1) are the issue's arms B and C; --round-warmup-steps K (train.round_warmup_steps, rows <strategy>+rwK)
+and --site-steps tokens (federation.site_steps, each site's steps a round from its manifest's tokens by
+RunConfig.token_steps, rows <strategy>+tok) set the other two recipes for every strategy of the run.
 """
 
 from __future__ import annotations
@@ -123,7 +133,27 @@ STRATEGIES = {
     },
     # FedExP's extrapolation per tensor (aggregate.server_optimizer fedexp), every row with the weights
     "fedexp": {"server_optimizer": {"name": "fedexp"}, "vocab_rows": "weights"},
+    # Issue 51's arm B: FedAvg with each site's AdamW state kept across rounds (federation.site_optimizer
+    # keep; `_federation` holds the federation keys a strategy sets beside its aggregate section)
+    "fedavg-keep": {
+        "server_optimizer": {"name": "sgd", "lr": 1.0},
+        "vocab_rows": "weights",
+        "_federation": {"site_optimizer": "keep"},
+    },
+    # Issue 51's arm C: DiLoCo, kept site state plus the outer Nesterov step (aggregate.server_optimizer
+    # nesterov, momentum 0.9) at outer lr 0.5, 0.7 (DiLoCo's) or 1.0
+    **{
+        f"diloco-olr{outer:g}": {
+            "server_optimizer": {"name": "nesterov", "lr": outer, "momentum": 0.9},
+            "vocab_rows": "weights",
+            "_federation": {"site_optimizer": "keep"},
+        }
+        for outer in (0.5, 0.7, 1.0)
+    },
 }
+# The pooled models (--pooled-modes): serial (every block at a site's batch, M times a site's steps;
+# the product's pooled/model) and sync (federation.pooled_sync: M times the batch, a site's steps).
+POOLED_MODELS = {"serial": "pooled", "sync": "pooled-sync"}
 
 
 def cell_config(
@@ -136,10 +166,12 @@ def cell_config(
     participation: float = 1.0,
     regime: str = "scratch",
     exchange: dict | None = None,
+    recipe: dict | None = None,
 ) -> dict:
     """The regime's config (the demo's, or the SmolLM2 example's) with the cell's sites (their text in
     `data`), rounds, steps, seed, strategy, participation (a fraction of the sites each round; 1: every
-    site, federation.participation null) and federation.exchange (None: the config's)."""
+    site, federation.participation null), federation.exchange (None: the config's) and issue 51's
+    settings (`recipe`: round_warmup_steps, site_steps, pooled_sync; None: the product's defaults)."""
     config = yaml.safe_load((ROOT / REGIME_CONFIGS[regime]).read_text())
     template = next(iter(config["sites"].values()))
     config["sites"] = {}
@@ -167,8 +199,16 @@ def cell_config(
     config["federation"]["rounds"] = rounds
     config["federation"]["participation"] = None if participation >= 1 else float(participation)
     config["aggregate"] = copy.deepcopy(STRATEGIES[strategy])
+    config["federation"].update(config["aggregate"].pop("_federation", {}))
     if exchange is not None:
         config["federation"]["exchange"] = dict(exchange)
+    recipe = recipe or {}
+    if recipe.get("round_warmup_steps"):
+        config["train"]["round_warmup_steps"] = recipe["round_warmup_steps"]
+    if recipe.get("site_steps", "equal") != "equal":
+        config["federation"]["site_steps"] = recipe["site_steps"]
+    if recipe.get("pooled_sync"):
+        config["federation"].update(pooled_baseline=True, pooled_sync=True)
     return config
 
 
@@ -281,11 +321,11 @@ class Cell:
             result[site] = math.exp(nll / scored)
         return result
 
-    def pooled(self, factor: float, embedding: float = 1.0) -> dict[str, float]:
+    def pooled(self, factor: float, embedding: float = 1.0, mode: str = "serial") -> dict[str, float]:
         from fedtune.train.loop import RoundPlan
 
-        options = pooled_options(next(iter(self.run.values())), factor, embedding)
-        out = self.work / f"pooled-x{factor:g}-emb{embedding:g}"
+        options = pooled_options(next(iter(self.run.values())), factor, embedding, mode)
+        out = self.work / f"{POOLED_MODELS[mode]}-x{factor:g}-emb{embedding:g}"
         self.train("pooled", self.base, [self.manifests[s] for s in self.sites], options, RoundPlan(), out)
         result = self.perplexity(out, base=self.base if options.adapter else None)
         shutil.rmtree(out)
@@ -298,13 +338,15 @@ class Cell:
         root = self.work / f"{strategy}-x{factor:g}-emb{embedding:g}"
         start, state = self.base, None
         keep = run.site_optimizer == "keep"
+        # federation.site_steps tokens: each site's steps by its share of the tokens (its manifest's).
+        trains = run.token_steps({s: manifest_tokens(self.manifests[s]) for s in run.sites})
         # federation.exchange compressed: the sites' updates and the aggregate cross the product's codec.
         exchange = Exchange(run.exchange, root / "exchange") if run.exchange.compressed else None
         for r in range(1, run.rounds + 1):
             plan = RoundPlan(r, run.rounds, run.lr_schedule)
             trained = {}
             for site in run.round_sites(r):
-                options = run.sites[site].train
+                options = trains[site]
                 options = dataclasses.replace(options, lr=options.lr * factor, embedding_lr_factor=embedding)
                 moments = None
                 if keep:
@@ -341,21 +383,38 @@ class Cell:
         return result
 
 
-def model_name(strategy: str, exchange) -> str:
+def model_name(strategy: str, exchange, run=None) -> str:
     """A strategy's name in the CSV: with a compressed exchange (its RunConfig's, as --exchange set it),
-    followed by +<dtype>[+ef]."""
-    if not exchange.compressed:
-        return strategy
-    return f"{strategy}+{exchange.dtype}" + ("+ef" if exchange.keeps_residual else "")
+    followed by +<dtype>[+ef]; with issue 51's settings (`run`'s), +rw<k> (train.round_warmup_steps)
+    and +tok (federation.site_steps tokens)."""
+    name = strategy
+    if exchange.compressed:
+        name = f"{strategy}+{exchange.dtype}" + ("+ef" if exchange.keeps_residual else "")
+    if run is not None:
+        warmup = next(iter(run.sites.values())).train.round_warmup_steps
+        name += f"+rw{warmup}" if warmup else ""
+        name += "+tok" if run.site_steps == "tokens" else ""
+    return name
+
+
+def manifest_tokens(manifest: Path) -> int:
+    """A site's training tokens, as its manifest counts them (what aggregate.weights tokens reads)."""
+    return int(json.loads(manifest.read_text())["splits"]["train"]["tokens_kept"])
 
 
 def cell_runs(sites: list[str], data: Path, args, seed: int) -> dict:
     """Each strategy's RunConfig for the cell, built by the product from the regime's config."""
     cut = (args.rounds, args.steps, seed)
     exchange = getattr(args, "exchange", None)
+    recipe = {
+        "round_warmup_steps": getattr(args, "round_warmup_steps", 0),
+        "site_steps": getattr(args, "site_steps", "equal"),
+        "pooled_sync": "sync" in getattr(args, "pooled_modes", ["serial"]),
+    }
     return {
         name: fconfig.build_run_config(
-            cell_config(sites, data, *cut, name, args.participation, args.regime, exchange), base_dir=ROOT
+            cell_config(sites, data, *cut, name, args.participation, args.regime, exchange, recipe),
+            base_dir=ROOT,
         )
         for name in args.strategies
     }
@@ -376,13 +435,15 @@ def fine_tuning_sites(half: str, set_name: str, text_dir: Path) -> list:
     return result
 
 
-def pooled_options(run, lr_factor: float, embedding_factor: float):
+def pooled_options(run, lr_factor: float, embedding_factor: float, mode: str = "serial"):
     """The pooled model's TrainOptions at one grid point: the product's pooled baseline (its token count
-    included) with the lr and the embedding/head lr factor set as federation.pooled_lr_factors and
+    included; `mode` sync: its synchronous data-parallel model, federation.pooled_sync's pooled-sync-lr1x)
+    with the lr and the embedding/head lr factor set as federation.pooled_lr_factors and
     pooled_embedding_lr_factors set them."""
-    return dataclasses.replace(
-        run.pooled, lr=run.pooled.lr * lr_factor, embedding_lr_factor=float(embedding_factor)
-    )
+    pooled = run.pooled
+    if mode == "sync":
+        pooled = next(p.options for p in run.pooled_points if p.label == f"{POOLED_MODELS['sync']}-lr1x")
+    return dataclasses.replace(pooled, lr=pooled.lr * lr_factor, embedding_lr_factor=float(embedding_factor))
 
 
 def merge_round(models: dict, out: Path, options, manifests: dict, start: Path, state_in, state_out) -> dict:
@@ -430,10 +491,11 @@ def run_cell(args, seed: int) -> list[dict]:
         device=cell.device, seed=seed,
     )  # fmt: skip
     chosen = _chosen(args)
-    models = [("pooled", None)] + [(model_name(s, cell.run[s].exchange), s) for s in args.strategies]
+    pooled = [(POOLED_MODELS[mode], None) for mode in args.pooled_modes]
+    models = pooled + [(model_name(s, cell.run[s].exchange, cell.run[s]), s) for s in args.strategies]
     for model, strategy in models:
         if chosen:
-            points = [chosen[strategy or "pooled"]]
+            points = [chosen[model] if model in chosen else chosen[strategy or model]]
         elif strategy is None:
             points = [(f, e) for f in args.pooled_lr_factors for e in args.pooled_embedding_factors]
         else:
@@ -441,7 +503,7 @@ def run_cell(args, seed: int) -> list[dict]:
         for factor, embedding in points:
             t0 = time.time()
             if strategy is None:
-                ppl = cell.pooled(factor, embedding)
+                ppl = cell.pooled(factor, embedding, "sync" if model == POOLED_MODELS["sync"] else "serial")
             else:
                 ppl = cell.federate(strategy, factor, embedding)
             base_lr = next(iter(cell.run.values())).pooled.lr
@@ -537,6 +599,11 @@ def gaps(frame: pd.DataFrame) -> pd.DataFrame:
     rows = at_best[at_best.model != "pooled"].merge(pooled, on=keys)
     rows = rows.merge(pooled_x1.rename(columns={"perplexity": "pooled_x1"}), on=keys, how="left")
     rows = rows.merge(fedavg, on=keys, how="left")
+    # The synchronous data-parallel pooled model (--pooled-modes sync) at its best point, where measured.
+    sync = at_best[at_best.model == POOLED_MODELS["sync"]][[*keys, "perplexity"]]
+    if len(sync):
+        rows = rows.merge(sync.rename(columns={"perplexity": "pooled_sync_best"}), on=keys, how="left")
+        rows = rows.assign(gap_sync=rows.perplexity / rows.pooled_sync_best)
     return rows.assign(
         gap=rows.perplexity / rows.pooled_best,
         gap_x1=rows.perplexity / rows.pooled_x1,
@@ -548,9 +615,16 @@ def summarise(frame: pd.DataFrame) -> str:
     """The Markdown table of yardstick.md: per cell and strategy, over seeds, the geometric mean and the
     worst site's gap (mean over seeds, worst seed), against the best pooled model and the pooled model
     at x1, and the worst site's ratio to FedAvg; `lr` / `emb` the strategy's winning point, `pooled_lr` /
-    `pooled_emb` the pooled model's."""
+    `pooled_emb` the pooled model's; where the synchronous data-parallel pooled model was measured, its
+    geometric mean gap (`geo_sync_*`) and worst site (`site_sync_worst`) too."""
     rows = gaps(frame)
+    sync = {}
+    if "gap_sync" in rows:
+        sync = dict(
+            geo_sync=("gap_sync", lambda g: float(np.exp(np.log(g).mean()))), worst_sync=("gap_sync", "max")
+        )
     per_seed = rows.groupby([*CELL, "model", "seed"]).agg(
+        **sync,
         factor=("lr_factor", "first"), emb=("embedding_factor", "first"),
         pooled_factor=("pooled_factor", "first"),
         pooled_emb=("pooled_emb", "first"),
@@ -566,6 +640,8 @@ def summarise(frame: pd.DataFrame) -> str:
         geo_mean=("geo", "mean"), geo_worst=("geo", "max"), site_mean=("worst", "mean"),
         site_worst=("worst", "max"), geo_x1_mean=("geo_x1", "mean"),
         vs_fedavg_geo=("vs_fedavg_geo", "mean"), vs_fedavg_worst=("vs_fedavg", "max"),
+        **({"geo_sync_mean": ("geo_sync", "mean"), "geo_sync_worst": ("geo_sync", "max"),
+            "site_sync_worst": ("worst_sync", "max")} if sync else {}),
     )  # fmt: skip
     return cells.reset_index().round(3).to_markdown(index=False)
 
@@ -613,6 +689,19 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--strategies", nargs="+", default=["default", "fedavgm-vocab"], choices=list(STRATEGIES)
     )
+    parser.add_argument(
+        "--pooled-modes", nargs="+", choices=list(POOLED_MODELS), default=["serial"],
+        help="the pooled models: serial (`pooled`, the product's pooled/model: M times a site's steps at "
+        "its batch) and/or sync (`pooled-sync`, federation.pooled_sync: M times the batch, a site's steps)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--round-warmup-steps", type=int, default=0,
+        help="train.round_warmup_steps for every strategy (rows named <strategy>+rw<k>; default 0: none)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--site-steps", choices=["equal", "tokens"], default="equal",
+        help="federation.site_steps for every strategy (tokens: rows named <strategy>+tok)",
+    )  # fmt: skip
     parser.add_argument("--rounds", type=int, help="default: the regime's (4)")
     parser.add_argument("--steps", type=int, help="steps a round (default: the regime's, 4 or 3)")
     parser.add_argument(

@@ -294,7 +294,7 @@ def fedtune_worker(spec: dict) -> dict:
     if spec["name"] in COMPILE_MODEL and spec["compile"]:
         backend.model.compile()  # the FSDP2 root: dynamo leaves its hooks out (skip_fsdp_hooks)
     blocks, order, _ = data_order(spec)
-    run = SimpleNamespace(blocks=blocks, order=order, job=job, backend=backend)
+    run = SimpleNamespace(blocks=blocks, order=order, job=job, backend=backend, options=options, first_step=0)
     stop = SimpleNamespace(signal=None)
     durations, losses = [], []
     synchronize(job.device)

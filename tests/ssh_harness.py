@@ -2,7 +2,8 @@
 key and a user key made for the session. rsync then reaches `127.0.0.1:/path` through it (RSYNC_RSH), as
 it reaches another cluster's login node. RSYNC_RSH carries the port, the key and the host-key settings
 only: BatchMode and the time limits come from fedtune.core.transfer, as on the clusters. `restrict`
-confines the key to one folder with rsync's rrsync, as docs/transfers.md tells an admin to; `revoke`
+confines the key to the run's exchange folder with scripts/fedtune-rsync-gate (read-only on outbox/,
+write-only on inbox/) or rsync's rrsync, as docs/transfers.md tells an admin to; `revoke`
 and `allow` take the key away and put it back. Skips (with the reason) only where sshd cannot be had; in
 CI (CI=true, root) it must run (tests/conftest.py turns the skip into a failure)."""
 
@@ -100,21 +101,34 @@ def stop_sshd(server: SSHServer) -> None:
     server.process.wait(timeout=10)
 
 
-def authorized_key_line(server: SSHServer, directory: Path) -> str:
-    """The authorized_keys line of docs/transfers.md: the key may only run rsync's rrsync, confined to
-    `directory` (a run's exchange folder), with absolute paths under it allowed (-absolute: the same
-    remote path works with and without the restriction), no lock (parallel transfers), links munged, and
-    nothing else (restrict: no terminal, no forwarding)."""
-    rrsync = shutil.which("rrsync") or "/usr/bin/rrsync"
+GATE = Path(__file__).resolve().parent.parent / "scripts" / "fedtune-rsync-gate"
+
+
+def authorized_key_line(server: SSHServer, directory: Path, tool: str = "gate") -> str:
+    """The authorized_keys line of docs/transfers.md for a run's exchange folder `directory`. tool "gate"
+    (the default): scripts/fedtune-rsync-gate, which lets the key run only rsync's server mode, sending
+    from `directory`/outbox and receiving into `directory`/inbox, nothing else. "rrsync-ro" / "rrsync-wo":
+    rsync's rrsync, read-only on the outbox or write-only on the inbox (a key for one direction), with
+    absolute paths under it allowed (-absolute: the same remote path works with and without the
+    restriction), no lock (parallel transfers) and links munged. restrict: no terminal, no forwarding."""
     key = (server.folder / "user_key.pub").read_text().strip()
-    return f'command="{rrsync} -absolute -no-lock -munge {directory}",restrict {key}\n'
+    if tool == "gate":
+        rsync = shutil.which("rsync") or "rsync"
+        command = f"{GATE} --read {directory / 'outbox'} --write {directory / 'inbox'} --rsync {rsync}"
+    else:
+        rrsync = shutil.which("rrsync") or "/usr/bin/rrsync"
+        side = {"rrsync-ro": "-ro", "rrsync-wo": "-wo"}[tool]
+        folder = directory / ("outbox" if tool == "rrsync-ro" else "inbox")
+        command = f"{rrsync} {side} -absolute -no-lock -munge {folder}"
+    return f'command="{command}",restrict {key}\n'
 
 
-def restrict(server: SSHServer, directory: Path) -> None:
-    """Confine the session's key to `directory` (sshd reads authorized_keys at every login)."""
-    if not (shutil.which("rrsync") or Path("/usr/bin/rrsync").is_file()):
+def restrict(server: SSHServer, directory: Path, tool: str = "gate") -> None:
+    """Confine the session's key to the run's exchange folder `directory` (sshd reads authorized_keys at
+    every login): authorized_key_line."""
+    if tool != "gate" and not (shutil.which("rrsync") or Path("/usr/bin/rrsync").is_file()):
         pytest.skip("no rrsync here (Debian's rsync package ships it as /usr/bin/rrsync)")
-    (server.folder / "authorized_keys").write_text(authorized_key_line(server, directory))
+    (server.folder / "authorized_keys").write_text(authorized_key_line(server, directory, tool))
 
 
 def revoke(server: SSHServer) -> str:

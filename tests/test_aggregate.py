@@ -288,8 +288,11 @@ def test_weights_that_are_not_a_weighting_are_refused_by_the_options(weights, ex
 
 
 def test_refuses_zero_tokens_in_every_manifest(tmp_path):
+    # A site's token count must be positive (issue 47): a zero is refused per site, before the sum.
     manifests = {s: write_manifest(tmp_path / f"{s}.json", s, 0) for s in ("a", "b")}
-    with pytest.raises(AggregateError, match="sum to zero"):
+    with pytest.raises(
+        AggregateError, match="site a: .*tokens_kept is 0; a site's token count must be positive"
+    ):
         aggregate({"a": tmp_path / "a", "b": tmp_path / "b"}, tmp_path / "out", manifests=manifests)
 
 

@@ -141,6 +141,7 @@ def test_the_plain_step_is_what_the_registry_flags():
     assert flags == {
         "sgd": (True, True),
         "fedavgm": (False, True),
+        "nesterov": (False, False),  # its first step is lr (1 + momentum) delta
         "fedexp": (False, False),
         "fedadam": (False, False),
         "fedyogi": (False, False),

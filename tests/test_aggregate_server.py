@@ -18,6 +18,7 @@ NAMES = {"model.layers.0.mlp.up_proj.weight": (12, 8), "model.norm.weight": (8,)
 OPTIONS = {
     "sgd": {"name": "sgd", "lr": 0.7},
     "fedavgm": {"name": "fedavgm", "lr": 0.5, "momentum": 0.8},
+    "nesterov": {"name": "nesterov", "lr": 0.7, "momentum": 0.9},
     "fedexp": {"name": "fedexp", "lr": 0.9},
     "fedadam": {"name": "fedadam", "lr": 0.01, "betas": [0.9, 0.99], "tau": 1e-3},
     "fedyogi": {"name": "fedyogi", "lr": 0.01, "betas": [0.8, 0.95], "tau": 1e-2},
@@ -42,6 +43,9 @@ def hand_step(options, delta, m, v, site_deltas=(), weights=()):
     if name == "fedavgm":
         m = options["momentum"] * m + delta
         return lr * m, m, v
+    if name == "nesterov":
+        m = options["momentum"] * m + delta
+        return lr * (delta + options["momentum"] * m), m, v
     b1, b2 = options["betas"]
     m = b1 * m + (1 - b1) * delta
     if name == "fedadagrad":

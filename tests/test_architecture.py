@@ -96,8 +96,12 @@ def test_options_modules_import_only_core_options_and_never_torch():
     assert required <= set(stages)
     for module in stages:
         assert graph[module] == {"fedtune.core.options"}, (module, graph[module])
-    # core.config composes them, and holds nothing else of fedtune.
-    assert graph["fedtune.core.config"] == {"fedtune.core.options", *stages} - {"fedtune.download.options"}
+    # core.config composes them, and holds nothing else of fedtune but the data-file check, a leaf that
+    # reads a local file for the dry run.
+    assert graph["fedtune.core.data_files"] == set()
+    assert graph["fedtune.core.config"] == {"fedtune.core.options", "fedtune.core.data_files", *stages} - {
+        "fedtune.download.options"
+    }
     loaded = loaded_modules("fedtune.core.config", *stages)
     assert "torch" not in loaded and "transformers" not in loaded
     fedtune = [m for m in loaded if m.split(".")[0] == "fedtune"]
@@ -106,6 +110,7 @@ def test_options_modules_import_only_core_options_and_never_torch():
         "fedtune",
         "fedtune.core",
         "fedtune.core.config",
+        "fedtune.core.data_files",
         "fedtune.core.options",
         *stages,
         *packages,

@@ -407,9 +407,9 @@ def test_the_download_reads_only_the_documents_it_keeps(tmp_path, monkeypatch):
     assert download_data(DatasetOptions.from_mapping(spec), tmp_path / "raw") == {"train": 2000, "test": 2000}
     assert load_from_disk(str(tmp_path / "raw"))["train"]["text"] == [f"kept {i}" for i in range(2000)]
     assert sum(p.stat().st_size for p in cache.rglob("*") if p.is_file()) < 1_000_000
-    from datasets.exceptions import DatasetGenerationError
-
-    with pytest.raises(DatasetGenerationError):
+    # Read whole, the broken line is named (issue 47: one line naming the file and the line).
+    broken = 2000 + 12_000_000 // len(line) + 1
+    with pytest.raises(ConfigError, match=rf"big\.jsonl: line {broken}: not valid JSON"):
         download_data(DatasetOptions.from_mapping({**spec, "max_documents": None}), tmp_path / "whole")
 
 
@@ -480,3 +480,138 @@ def test_a_streamed_hub_data_set_keeps_its_declared_features(tmp_path, monkeypat
         assert streamed[split].features["label"].names == ["neg", "pos"]
         assert streamed[split].features == whole[split].features
         assert streamed[split].to_list() == whole[split].select(range(300)).to_list()
+
+
+# A script-based hub data set (issue 50): gsarti/clean_mc4_it, as the hub holds it (read 2026-11-28 in the
+# hub's file pages: a loading script clean_mc4_it.py at the root, the data in clean-mc4-it/, 1024 train
+# shards c4-it.tfrecord-NNNNN-of-01024.json.gz and 8 validation shards c4-it-validation.tfrecord-NNNNN-
+# of-00008.json.gz), mirrored in a local folder with a few small shards.
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "config" / "examples" / "llama2-it-cs.yaml"
+
+
+def mc4_it_mirror(root: Path) -> Path:
+    """A folder laid out like the hub repository gsarti/clean_mc4_it: the script, and shards whose rows
+    say where they come from. Train shards 00000, 00001 and 00099 are in the tiny config's first 100,
+    00100 is not; validation shard 00000 is tiny's, 00001 is not."""
+    import gzip
+
+    folder = root / "clean_mc4_it"
+    (folder / "clean-mc4-it").mkdir(parents=True)
+    (folder / "clean_mc4_it.py").write_text("import datasets  # a loading script, as on the hub\n")
+    (folder / "README.md").write_text("---\npretty_name: mC4_it\n---\n# Clean Italian mC4\n")
+    shards = [f"c4-it.tfrecord-{i:05d}-of-01024.json.gz" for i in (0, 1, 99, 100)]
+    shards += [f"c4-it-validation.tfrecord-{i:05d}-of-00008.json.gz" for i in (0, 1)]
+    for shard in shards:
+        rows = [{"text": f"{shard} documento {i}", "url": "u", "timestamp": "t"} for i in range(3)]
+        lines = "".join(json.dumps(row) + "\n" for row in rows)
+        (folder / "clean-mc4-it" / shard).write_bytes(gzip.compress(lines.encode()))
+    return folder
+
+
+def test_a_script_based_data_set_without_a_parquet_export_asks_for_its_data_files(tmp_path, monkeypatch):
+    """datasets 5 refuses the loading script; where the hub has no Parquet export of the config either,
+    the download stops with a DownloadError that says so and names the repository's data files."""
+    import fedtune.download.fetch as fetch
+
+    folder = mc4_it_mirror(tmp_path)
+    monkeypatch.setattr(fetch, "PARQUET_EXPORT", str(tmp_path / "no-export" / "{name}"))
+    spec = {
+        "source": "hf",
+        "name": str(folder),
+        "config": "tiny",
+        "splits": {"train": "train", "test": "validation"},
+    }
+    with pytest.raises(DownloadError) as refused:
+        download_data(DatasetOptions.from_mapping(spec), tmp_path / "raw")
+    message = str(refused.value)
+    assert "script-based" in message and "Dataset scripts are no longer supported" in message, message
+    assert "dataset.data_files" in message and "clean-mc4-it/c4-it-validation.tfrecord-00000" in message, (
+        message
+    )
+    assert not (tmp_path / "raw").exists()
+
+
+def test_a_script_based_data_set_is_read_from_the_hubs_parquet_export(tmp_path, monkeypatch):
+    """Where the hub converted the config to Parquet (refs/convert/parquet: <config>/<split>/, or
+    partial-<split>/ for a split converted in part), the download reads that instead of the script."""
+    from datasets import Dataset
+
+    import fedtune.download.fetch as fetch
+
+    folder = mc4_it_mirror(tmp_path)
+    export = tmp_path / "export" / "clean_mc4_it"
+    for split, sub, count in (("train", "train", 5), ("validation", "partial-validation", 2)):
+        (export / "tiny" / sub).mkdir(parents=True)
+        rows = {"text": [f"parquet {split} {i}" for i in range(count)]}
+        Dataset.from_dict(rows).to_parquet(str(export / "tiny" / sub / "0000.parquet"))
+    monkeypatch.setattr(fetch, "PARQUET_EXPORT", str(tmp_path / "export" / "clean_mc4_it"))
+    spec = {
+        "source": "hf",
+        "name": str(folder),
+        "config": "tiny",
+        "splits": {"train": "train", "test": "validation"},
+    }
+    assert download_data(DatasetOptions.from_mapping(spec), tmp_path / "raw") == {"train": 5, "test": 2}
+    assert load_from_disk(str(tmp_path / "raw"))["test"]["text"] == [
+        "parquet validation 0",
+        "parquet validation 1",
+    ]
+
+
+def test_the_published_examples_italian_data_files_read_the_tiny_shards_of_a_mirror(tmp_path):
+    """The llama2 examples name clean_mc4_it's tiny config by its files (no script): on a local mirror of
+    the repository's layout they read train shards 00000-00099 and validation shard 00000, nothing else,
+    with datasets' json loader (gzipped json lines)."""
+    import yaml
+
+    for example in sorted(EXAMPLE.parent.glob("llama2-it-cs*.yaml")):
+        dataset = yaml.safe_load(example.read_text())["sites"]["it"]["dataset"]
+        assert dataset["name"] == "gsarti/clean_mc4_it" and "config" not in dataset, example.name
+        folder = mc4_it_mirror(tmp_path / example.stem)
+        options = DatasetOptions.from_mapping({**dataset, "name": str(folder)})
+        options.check(f"{example.name}: ")
+        assert options.loader == "json"
+        out = tmp_path / example.stem / "raw"
+        assert download_data(options, out) == {"train": 9, "test": 3}, example.name
+        saved = load_from_disk(str(out))
+        shards = {text.split(" ")[0] for text in saved["train"]["text"]}
+        assert shards == {f"c4-it.tfrecord-{i:05d}-of-01024.json.gz" for i in (0, 1, 99)}, shards
+        assert {text.split(" ")[0] for text in saved["test"]["text"]} == {
+            "c4-it-validation.tfrecord-00000-of-00008.json.gz"
+        }
+
+
+def test_a_hub_data_sets_files_are_read_from_the_hub_repository_at_its_revision(tmp_path, monkeypatch):
+    """Not a local folder: the files are hf://datasets/<name>@<revision, quoted>/<path>, read with the
+    format's loader; a pattern that matches nothing is a DownloadError naming the data set."""
+    import datasets
+
+    import fedtune.download.fetch as fetch
+
+    seen = {}
+
+    def fake_load(loader, data_files=None, streaming=False):
+        seen.update(loader=loader, data_files=data_files)
+        raise FileNotFoundError("Unable to find 'x'")
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    spec = {"source": "hf", "name": "gsarti/clean_mc4_it", "revision": "refs/pr/1",
+            "data_files": {"train": "clean-mc4-it/c4-it.tfrecord-000??-of-01024.json.gz"}}  # fmt: skip
+    with pytest.raises(DownloadError, match="gsarti/clean_mc4_it: dataset.data_files: no file matches"):
+        fetch.download_data(DatasetOptions.from_mapping(spec), tmp_path / "raw")
+    assert seen == {
+        "loader": "json",
+        "data_files": {
+            "train": [
+                "hf://datasets/gsarti/clean_mc4_it@refs%2Fpr%2F1/clean-mc4-it/c4-it.tfrecord-000??-of-01024.json.gz"
+            ]
+        },
+    }
+
+
+def test_a_hub_data_set_named_by_its_files_takes_no_config(tmp_path):
+    spec = {"source": "hf", "name": "gsarti/clean_mc4_it", "config": "tiny",
+            "data_files": {"train": "clean-mc4-it/c4-it.tfrecord-00000-of-01024.json.gz"}}  # fmt: skip
+    with pytest.raises(ConfigError, match="config: 'tiny' with data_files"):
+        DatasetOptions.from_mapping(spec).check("x: dataset.")

@@ -231,6 +231,14 @@ def test_stand_ins_have_the_hub_models_class_and_the_hub_datasets_layout(twin):
                 split: [files] if isinstance(files, str) else files for split, files in original.items()
             }  # fmt: skip
             continue
+        if dataset.get("data_files"):
+            # A script-based hub data set named by its files: the stand-in holds files at those paths.
+            files = {split: [f"{dataset['name']}/{path}" for path in ([paths] if isinstance(paths, str) else paths)]
+                     for split, paths in dataset["data_files"].items()}  # fmt: skip
+            loaded = load_dataset("json", data_files=files)
+            assert set(loaded) == set(files) and all(len(loaded[split]) for split in files), (name, files)
+            assert all(dataset["text_field"] in loaded[split].column_names for split in files), name
+            continue
         loaded = load_dataset(dataset["name"], dataset.get("config"))
         for split in dataset["splits"].values():
             assert split in loaded, (name, split, list(loaded))

@@ -328,3 +328,21 @@ def test_dry_run_with_int8_the_other_cluster_fetches_the_aggregates_update(tmp_p
     marked = {job.wildcards["item"] for job in leo if job.name == "mark_complete"}
     assert {"round-1/aggregate/update", "round-2/aggregate/update"} <= marked
     assert not {"round-1/aggregate/model", "round-2/aggregate/model"} & marked
+
+
+def test_compress_memory_grows_with_the_largest_tensor_and_covers_the_7b_measurement():
+    """Llama-2-7B's compress took 4,824 MB private on one H200 machine (2026-11-28,
+    benchmarks/results/gpu/2026-11-28-published-7b.md): the flat 4,000 MB it had been given would have
+    stopped it; a 128k vocabulary holds four times the rows."""
+    from fedtune.aggregate.adapter_size import EXCHANGE_MIN_MB, exchange_mem_mb
+
+    llama2 = dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32)  # fmt: skip
+    assert exchange_mem_mb(llama2) >= 4824 * 1.2
+    assert exchange_mem_mb({**llama2, "vocab_size": 128256}) > 3 * exchange_mem_mb(llama2)
+    assert exchange_mem_mb(None) == EXCHANGE_MIN_MB
+    tiny = dict(model_type="llama", vocab_size=2000, hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4)  # fmt: skip
+    assert exchange_mem_mb(tiny) == EXCHANGE_MIN_MB
+    rules = (Path(__file__).resolve().parent.parent / "workflow" / "rules" / "exchange.smk").read_text()
+    assert rules.count("mem_mb=exchange_mem_mb") == 2  # compress_update and compress_aggregate

@@ -41,7 +41,8 @@ def models(tmp_path_factory):
 def test_loading_once_holds_clearly_fewer_copies_than_loading_per_rank(models):
     root, (model_dir, manifest, params), (small_dir, small_manifest, _) = models
     # glibc's default allocator, as the train stage runs: the shards are filled through one reused
-    # buffer per rank, so no freed transfer buffers pile up in the heap (benchmarks/README.md).
+    # buffer per rank, so no freed transfer buffers pile up in the heap
+    # (benchmarks/results/loading/2026-11-26.md).
     env = dict(os.environ)
     baseline = loading_memory.measure(small_dir, small_manifest, 2, "once", root / "base", env=env)
     once = loading_memory.measure(model_dir, manifest, 2, "once", root / "once", env=env)

@@ -1,7 +1,8 @@
 """Two clusters on this machine, unattended: two run folders, two controllers started together with one
 command each, all rounds. `leo` (site alpha; Leonardo in the published setup) aggregates and reaches
 `karo` (site beta; Karolina) over real SSH (a local sshd, tests/ssh_harness.py) with the key an admin
-would allow: confined by rsync's rrsync to karo's exchange folder (docs/transfers.md), and ssh in BatchMode
+would allow: confined by scripts/fedtune-rsync-gate to karo's exchange folder (read-only on its outbox,
+write-only on its inbox: docs/transfers.md), and ssh in BatchMode
 from fedtune itself (the harness's RSYNC_RSH carries only the port and the key); karo logs in nowhere.
 (Not named leonardo and karolina: their scripts/clusters/*.sh need the real clusters' scratch.) The final aggregate must be bit-identical
 to a one-cluster run of the same config, also when a controller is killed mid-round and restarted; a
@@ -108,7 +109,7 @@ def assert_confined(ssh, run: Path) -> None:
         text=True,
         timeout=60,
     )
-    assert probe.returncode != 0 and "rrsync" in probe.stderr, probe.stderr
+    assert probe.returncode != 0 and "fedtune-rsync-gate" in probe.stderr, probe.stderr
 
 
 @pytest.mark.slow
@@ -145,7 +146,17 @@ def test_fedadam_three_rounds_with_a_controller_killed_mid_round(tmp_path, ssh):
         assert weights(karolina, r) == weights(leonardo, r)
     assert "[transfer] received" in karolina_log and "fetch --source 127.0.0.1:" in leonardo_log
     assert (leonardo / "results/demo/report/perplexity.csv").is_file()
-    assert not list((karolina_run / "exchange" / "inbox").rglob("*.COMPLETE"))
+    # The inbox keeps what was pushed (receive copies it out), so a deleted received output comes back
+    # from it without Leonardo (docs/transfers.md).
+    inbox = karolina_run / "exchange" / "inbox"
+    kept = sorted(
+        p.relative_to(inbox).as_posix().removesuffix(".COMPLETE") for p in inbox.rglob("*.COMPLETE")
+    )
+    assert "round-1/aggregate/model" in kept, kept
+    for item in kept:
+        assert {p.name: p.read_bytes() for p in (inbox / item).glob("*.safetensors")} == {
+            p.name: p.read_bytes() for p in (karolina_run / item).glob("*.safetensors")
+        }, item
     assert_confined(ssh, karolina_run)
 
 

@@ -195,3 +195,13 @@ def test_karolina_dry_run_counts_its_tokenize_groups_once_and_fetches_in_the_con
     assert karolina["scratch"].startswith(f"{expect['scratch_gb']:.1f} GB for models ("), karolina
     # --quiet rules: the summary without the list of 100+ jobs.
     assert "rule tokenize:" not in result.stdout and len(result.stdout.splitlines()) < 100
+
+
+def test_a_small_models_parameters_read_as_a_number():
+    """The dry-run summary said "0.0M parameters" for a model of a few thousand (and "0.2M" for the demo's):
+    below a million, thousands."""
+    from fedtune.report.plan import _count
+
+    assert [_count(n) for n in (6_738_415_616, 134_515_008, 999_999, 230_016, 160_000, 4_224, 950)] == [
+        "6.74B", "134.5M", "1.0M", "230k", "160k", "4.22k", "950",
+    ]  # fmt: skip

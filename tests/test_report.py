@@ -221,3 +221,126 @@ def test_the_loss_figure_explains_rounds_that_start_without_warmup(tmp_path):
     assert continuing == UNWARMED_ROUNDS_NOTE and "fresh site optimizer" in continuing
     assert loss_figure(curves([3e-4, 3e-4, 3e-4]), tmp_path / "loss.png") is None  # restart: warmed up
     assert loss_figure(curves([3e-4]), tmp_path / "loss.png") is None  # one round
+
+
+# What the figures draw and the tables print, as a reader sees them (issue 48, part 2, point 4; issue 47:
+# a diverged model).
+
+
+@pytest.fixture
+def kept_figures(monkeypatch):
+    """The figures the report's functions draw, kept open after they are saved: a function that returns
+    those drawn since its last call, in order."""
+    import matplotlib.pyplot as plt
+
+    monkeypatch.setattr(plt, "close", lambda *args: None)
+    seen = set(plt.get_fignums())
+
+    def newest():
+        numbers = sorted(set(plt.get_fignums()) - seen)
+        seen.update(numbers)
+        return [plt.figure(number) for number in numbers]
+
+    yield newest
+    plt.close("all")
+
+
+def tick_labels(axis, minor: bool = False) -> list[str]:
+    """The tick labels a reader sees on an axis: those within its view, not blank."""
+    low, high = sorted(axis.get_view_interval())
+    ticks = axis.get_minorticklocs() if minor else axis.get_majorticklocs()
+    labels = axis.get_ticklabels(minor=minor)
+    return [
+        label.get_text()
+        for loc, label in zip(ticks, labels, strict=False)
+        if low <= loc <= high and label.get_text()
+    ]
+
+
+def demo_gap_table():
+    """A gap like the demo's: 2.6-2.8 in round 1 down to 1.4-1.5 in round 3, less than a decade."""
+    from fedtune.core.config import CAUSAL_LM
+    from fedtune.report.build import TASK_METRICS, eval_table, gap_table
+
+    results = [
+        {"model": "pooled", "round": 0, "site": s, "perplexity": v}
+        for s, v in zip(SITES, [45.4, 49.5], strict=True)
+    ]
+    for rnd, values in {1: (120.0, 140.0), 2: (90.0, 100.0), 3: (65.2, 76.2)}.items():
+        results += [
+            {"model": "aggregate", "round": rnd, "site": s, "perplexity": v}
+            for s, v in zip(SITES, values, strict=True)
+        ]
+    return gap_table(eval_table(results, "perplexity"), TASK_METRICS[CAUSAL_LM], {"pooled": (1e-4, 16.0)})
+
+
+def test_log_axes_label_plain_numbers(tmp_path, kept_figures):
+    """gap.png and rounds.png: "1, 1.5, 2", never "2x10^0" or "10^0" (mathtext)."""
+    from fedtune.report.build import gap_figure, rounds_figure
+
+    gap_figure(demo_gap_table(), tmp_path / "gap.png")
+    axis = kept_figures()[0].axes[0].yaxis
+    labels = tick_labels(axis) + tick_labels(axis, minor=True)
+    assert labels and not [text for text in labels if "$" in text or "times" in text or "^" in text], labels
+    assert {"1", "1.5", "2"} <= set(labels), labels
+    rows = [(0, "base", 410.0, 520.0), (1, "aggregate", 120.0, 140.0), (2, "aggregate", 65.2, 76.2)]
+    rounds_figure(pd.DataFrame(rows, columns=["round", "model", *SITES]), tmp_path / "rounds.png")
+    axis = kept_figures()[0].axes[0].yaxis
+    labels = tick_labels(axis) + tick_labels(axis, minor=True)
+    assert {"100", "200", "300"} <= set(labels) and not [t for t in labels if "$" in t], labels
+
+
+def test_the_loss_figure_labels_whole_steps_only(tmp_path, kept_figures):
+    """One round of 3 steps: ticks 1, 2, 3, not 1.00, 1.25, ... 3.00."""
+    from fedtune.report.build import loss_figure
+
+    csv = tmp_path / "loss.csv"
+    pd.DataFrame({"step": [1, 2, 3], "loss": [5.0, 4.8, 4.7]}).to_csv(csv, index=False)
+    loss_figure([(1, "alpha", csv)], tmp_path / "loss.png")
+    axis = kept_figures()[0].axes[0].xaxis
+    ticks = [loc for loc in axis.get_majorticklocs() if 1 <= loc <= 3]
+    assert ticks == [1, 2, 3], ticks
+    assert tick_labels(axis) == ["1", "2", "3"], tick_labels(axis)
+
+
+def test_a_small_learning_rate_keeps_its_digits(tmp_path):
+    """gap.md printed the pooled lr 1e-4 as 0.000: a value too small for its decimals gets significant
+    digits."""
+    from fedtune.report.build import markdown
+
+    text = markdown(demo_gap_table(), digits={site: 2 for site in SITES})
+    assert "| 0.0001 | 16.000 | 2.64 | 2.83 |" in text, text
+    assert "0.000 |" not in text
+    assert markdown(pd.DataFrame({"lr": [3e-6, 0.25, 0.0]}), digits=3).splitlines()[2:] == [
+        "| 3e-06 |", "| 0.250 |", "| 0.000 |",
+    ]  # fmt: skip
+
+
+def test_a_diverged_model_reads_diverged_and_a_missing_result_reads_a_dash(tmp_path, kept_figures):
+    """issue 47: a NaN perplexity (a diverged model) printed "–", the mark of "not evaluated"."""
+    results = {
+        ("base", None, "alpha"): 100.0,  # base on beta: not evaluated
+        ("aggregate", 1, "alpha"): float("nan"),
+        ("aggregate", 1, "beta"): 50.0,
+        ("beta", 1, "beta"): float("inf"),
+        ("pooled", 1, "alpha"): 40.0,
+        ("pooled", 1, "beta"): 40.0,
+    }
+    evals = []
+    for (model, rnd, site), ppl in results.items():
+        path = tmp_path / f"{model}-{site}.json"
+        result = {"model": model, "round": rnd, "site": site, "perplexity": ppl, "bits_per_byte": ppl / 100}
+        path.write_text(json.dumps(result))
+        evals.append(path)
+    paths = report(tmp_path / "out", evals)
+    text = paths["perplexity_md"].read_text()
+    assert "| 0 | base | 100.000 | – |" in text, text
+    assert "| 1 | aggregate | diverged | 50.000 |" in text and "| 1 | beta | – | diverged |" in text, text
+    assert "diverged: a perplexity that is NaN or infinite" in text
+    assert "<td class='n'>diverged</td>" in paths["perplexity_html"].read_text()
+    gap = paths["gap_md"].read_text()
+    assert "| diverged | 1.25 |" in gap, gap
+    # The heatmap writes it in its cell; the figures draw no line to it.
+    figures = kept_figures()  # gap, perplexity heatmap, rounds, loss
+    texts = [t.get_text() for fig in figures for ax in fig.axes for t in ax.texts]
+    assert "diverged" in texts, texts

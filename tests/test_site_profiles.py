@@ -32,9 +32,13 @@ SITES = {
     "leonardo": (4, "torchrun", "boost_usr_prod", "boost_qos_dbg"),
     "karolina": (8, "srun", "qgpu_exp", None),
     "meluxina": (4, "srun", "gpu", "test"),
-    "iris": (4, "srun", "interactive", "debug"),
+    # ULHPC ties the debug QOS to the interactive partition, for salloc: the smoke test stays in batch.
+    "iris": (4, "srun", "gpu", "normal"),
 }
-TOKENIZE_CORES = {"leonardo": 4, "karolina": 16, "meluxina": 16, "iris": 7}
+# Nodes per site in the smoke test: Karolina's express queue with one node, as the published run there.
+SMOKE_NODES = {"leonardo": 2, "karolina": 1, "meluxina": 2, "iris": 2}
+# Leonardo: one core per job, four side by side under lrd_all_serial's per-user cap of 4 cores.
+TOKENIZE_CORES = {"leonardo": 1, "karolina": 16, "meluxina": 16, "iris": 7}
 
 
 def clean_environment(monkeypatch, **variables: str) -> None:
@@ -172,7 +176,8 @@ def smoke_runs(tmp_path_factory):
 @pytest.mark.parametrize("cluster", SITES)
 def test_smoke_test_trains_two_nodes_for_ten_minutes_on_the_debug_queue(cluster, smoke_runs, with_account):
     """FEDTUNE_SMOKE=1: each site's training, and nothing after it, goes to the site's debug queue on 2
-    whole nodes with a 10-minute limit and 10 steps, into its own run folder <run>-smoke."""
+    whole nodes (Karolina: 1 node on qgpu_exp; Iris: gpu, whose debug QOS is for salloc only) with a
+    10-minute limit and 10 steps, into its own run folder <run>-smoke."""
     jobs, _, scratch = smoke_runs[cluster]
     gpus, launcher, partition, qos = SITES[cluster]
     jobs = [job for job in jobs if job.name not in local_rules(cluster)]
@@ -182,10 +187,12 @@ def test_smoke_test_trains_two_nodes_for_ten_minutes_on_the_debug_queue(cluster,
     assert {job.wildcards["site"] for job in trains} == {"alpha", "beta"}
     for job in trains:
         options = sbatch_options(job)
-        assert f"-p {partition}" in options and "-t 10" in options and "--nodes=2" in options, options
+        nodes = SMOKE_NODES[cluster]
+        assert f"-p {partition}" in options and "-t 10" in options and f"--nodes={nodes}" in options, options
         assert (f"--qos={qos}" in options) if qos else ("--qos" not in options), options
-        assert "--exclusive" in options and f"--gres=gpu:{gpus}" in options, options
-        assert '"max_steps":10' in job.shell and "--nodes 2" in job.shell, job.shell
+        # --exclusive for several nodes; one node of 8 GPUs is the whole node anyway.
+        assert ("--exclusive" in options) == (nodes > 1) and f"--gres=gpu:{gpus}" in options, options
+        assert '"max_steps":10' in job.shell and f"--nodes {nodes}" in job.shell, job.shell
         assert f"{scratch}/results/demo-smoke/round-1/" in job.shell, job.shell
     tokenize = [job for job in jobs if job.name == "tokenize"]
     assert len(tokenize) == 4, [job.wildcards for job in tokenize]  # one shard per site and split

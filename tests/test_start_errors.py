@@ -156,11 +156,16 @@ def test_a_yaml_error_names_the_file_line_and_column(case, tmp_path):
     assert configfile_problem([f"--configfile={path}"]) == message
 
 
-def test_the_command_line_check_leaves_valid_and_absent_files_to_snakemake(tmp_path):
+def test_the_command_line_check_passes_valid_files_and_names_an_absent_one(tmp_path):
+    """An absent file (or a target after --configfile) used to be left to Snakemake, whose answer was a
+    27-line traceback (issue 48): now it is one line (tests/test_first_hour.py has the cases)."""
     (tmp_path / "ok.yaml").write_text("run: demo\n")
     (tmp_path / "ok.json").write_text('{"run": "demo"}')
-    args = ["--configfile", str(tmp_path / "ok.yaml"), str(tmp_path / "ok.json"), str(tmp_path / "absent")]
+    args = ["--configfile", str(tmp_path / "ok.yaml"), str(tmp_path / "ok.json")]
     assert configfile_problem(args) is None
+    assert configfile_problem([*args, str(tmp_path / "absent")]).startswith(
+        f"--configfile {tmp_path / 'absent'}"
+    )
     assert configfile_problem(["--config", "run=x", "--configfiles", str(tmp_path / "ok.yaml")]) is None
 
 

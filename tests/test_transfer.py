@@ -120,7 +120,13 @@ def test_push_over_ssh_into_the_inbox_then_receive(tiny_model_dir, tmp_path):
         for path in tiny_model_dir.iterdir():
             assert (out / path.name).read_bytes() == path.read_bytes()
             assert (pulled / path.name).read_bytes() == path.read_bytes()
-        assert not list((there / "exchange" / "inbox" / "round-1" / "aggregate").iterdir())
+        # The inbox keeps its copy: a deleted output is received again without the sender.
+        assert (there / "exchange" / "inbox" / "round-1" / "aggregate" / "model.COMPLETE").is_file()
+        shutil.rmtree(out)
+        again = receive(there, "round-1/aggregate/model", there / "round-1" / "aggregate" / "model")
+        assert {p.name: p.read_bytes() for p in again.iterdir()} == {
+            p.name: p.read_bytes() for p in tiny_model_dir.iterdir()
+        }
     finally:
         stop_sshd(server)
 
@@ -273,3 +279,21 @@ def test_the_dry_run_prints_the_slurm_jobs_per_round_it_plans(tmp_path, adapters
     assert -1 not in positions and positions == sorted(positions), train.shell
     for role in ("aggregate", "site"):
         assert f'"out":"results/demo/round-3/beta/before/{role}.json"' in train.shell, role
+
+
+def test_a_failed_transfer_piped_into_tee_fails_its_job_under_a_clusters_shell_prefix(tmp_path):
+    """A cluster with an environment file (scripts/clusters/<cluster>.sh; here slurm-local's) gets a
+    shell prefix of its own, which replaces Snakemake's `set -euo pipefail`. The transfer rules run
+    `... 2>&1 | tee log`: without pipefail the pipeline exits 0 when the transfer fails, and the job ends
+    in a MissingOutputException instead of the transfer's exit code and error."""
+    config = demo_config(cluster="slurm-local")
+    config["sites"]["alpha"]["cluster"] = "slurm-local"
+    config["sites"]["beta"]["cluster"] = "karo"
+    config["federation"] = {"rounds": 1, "wait": 1, "remotes": {"karo": str(tmp_path / "nowhere" / "run")}}
+    write_config(tmp_path, config)
+    result = snakemake(tmp_path, "results/demo/data/beta/manifest.json", check=False, timeout=300)
+    text = result.stdout + result.stderr
+    assert result.returncode != 0, text[-3000:]
+    assert "Error in rule fetch_manifest" in text, text[-3000:]
+    assert "MissingOutputException" not in text, text[-3000:]
+    assert "returned non-zero exit status" in text, text[-3000:]  # the transfer's own exit code

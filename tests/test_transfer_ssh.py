@@ -1,6 +1,6 @@
 """Transfers that cannot hang and keys that an admin would allow (issue 36, part 3): ssh never prompts,
 every rsync call has time limits and ends in an error naming the host and the reason, a key or
-certificate put back is picked up by the next look, and a key confined by rsync's rrsync to the run's
+certificate put back is picked up by the next look, and a key confined by scripts/fedtune-rsync-gate to the run's
 exchange folder is all a transfer needs. Over a real local sshd (tests/ssh_harness.py) where it matters."""
 
 from __future__ import annotations
@@ -80,14 +80,16 @@ def _running(pid: int) -> bool:
         return False
 
 
-def test_mark_publishes_hard_links_into_the_outbox_its_marker_last(tmp_path):
+def test_mark_publishes_copies_into_the_outbox_its_marker_last(tmp_path):
     item = tmp_path / "run" / "round-1" / "beta" / "model"
     item.mkdir(parents=True)
     (item / "model.safetensors").write_bytes(b"weights")
     outbox = tmp_path / "run" / "exchange" / "outbox" / "round-1" / "beta" / "model"
     marker = mark(item, outbox)
     published = outbox / "model.safetensors"
-    assert published.stat().st_ino == (item / "model.safetensors").stat().st_ino  # no second copy
+    # A copy (a reflink where the file system has them), never a hard link to the live file.
+    assert published.stat().st_ino != (item / "model.safetensors").stat().st_ino
+    assert published.stat().st_nlink == 1 and published.read_bytes() == b"weights"
     assert (outbox.parent / "model.COMPLETE").read_text() == marker.read_text()
     # A retrained item (a new folder renamed into place) is published again, not the old inode.
     shutil.rmtree(item)
@@ -158,12 +160,13 @@ def test_a_host_that_asks_for_a_password_fails_within_its_timeout_and_the_key_pu
 
 
 @pytest.mark.sshd
-def test_a_key_confined_by_rrsync_to_the_exchange_folder_moves_everything_and_nothing_else(
+def test_a_key_confined_by_the_gate_to_the_exchange_folder_moves_everything_and_nothing_else(
     tmp_path, sshd, monkeypatch
 ):
-    """The authorized_keys line of docs/transfers.md (rrsync -absolute -no-lock -munge <run>/exchange):
-    the same remote path as without it, pull from the outbox and push into the inbox work; the rest of
-    the account (the run's own folders, a shell) is out of reach."""
+    """The authorized_keys line of docs/transfers.md (scripts/fedtune-rsync-gate --read <run>/exchange/outbox
+    --write <run>/exchange/inbox): the same remote path as without it, pull from the outbox and push into
+    the inbox work; the rest of the account (the run's own folders, writing into the outbox, reading the
+    inbox, a shell) is out of reach."""
     there, here = tmp_path / "karo" / "run", tmp_path / "leo" / "run"
     beta = there / "round-1" / "beta" / "model"
     beta.mkdir(parents=True)
@@ -183,7 +186,7 @@ def test_a_key_confined_by_rrsync_to_the_exchange_folder_moves_everything_and_no
     received = receive(there, "round-1/aggregate/model", there / "round-1" / "aggregate" / "model")
     assert (received / "model.safetensors").read_bytes() == b"aggregate"
 
-    # What is not there yet reads as such through the key too (rrsync stops before rsync's exit 23).
+    # What is not there yet reads as such through the key too (the gate, like rrsync, lets rsync say so).
     with pytest.raises(
         TransferError, match=r"never appeared \(last look: no \S+round-2/beta/model.COMPLETE yet"
     ):
@@ -192,7 +195,15 @@ def test_a_key_confined_by_rrsync_to_the_exchange_folder_moves_everything_and_no
 
     outside = transfer._rsync("-a", f"{remote}/round-1/beta/model/", f"{tmp_path / 'stolen'}/", link=FAST)
     assert outside.returncode != 0 and not list((tmp_path / "stolen").glob("*"))
-    assert "restricted key (rrsync) refused" in transfer._said(outside, remote)
+    assert "restricted key (fedtune-rsync-gate) refused" in transfer._said(outside, remote)
+    # Read-only on the outbox, write-only on the inbox.
+    into_outbox = transfer._rsync(*transfer.COPY, str(aggregate / "model.safetensors"),
+                                  f"{remote}/exchange/outbox/round-1/beta/model/", link=FAST)  # fmt: skip
+    assert into_outbox.returncode != 0 and (beta / "model.safetensors").read_bytes() == b"beta"
+    out_of_inbox = transfer._rsync(
+        *transfer.COPY, f"{remote}/exchange/inbox/", f"{tmp_path / 'read'}/", link=FAST
+    )
+    assert out_of_inbox.returncode != 0 and not list((tmp_path / "read").glob("*"))
     shell = transfer._run([*sshd.rsync_rsh.split(), "-o", "BatchMode=yes", sshd.host, "id"], timeout=20)
     assert shell.returncode != 0 and "uid=" not in shell.stdout
 

@@ -3,7 +3,7 @@
 # the speed options, the HF Trainer, QLoRA, plain FSDP2, DeepSpeed ZeRO-2 and ZeRO-3 where deepspeed is
 # there) on one H100/H200, within BUDGET_S seconds (default 400: a 10-minute device call less its start
 # and the pytest check of all.sh). Writes only under $OUT: gpu.txt, gpu-training.json, gpu-training.md
-# (the table for benchmarks/README.md), gpu-training.log and run-logs.txt (the end of each run's log);
+# (the table for a result file in benchmarks/results/gpu), gpu-training.log and run-logs.txt (the end of each run's log);
 # the starting weights and every cache live in a temporary folder that is removed at the end.
 #
 #     OUT=/tmp/out benchmarks/gpu-checks/training.sh                      # wheels already installed

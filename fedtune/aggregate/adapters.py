@@ -21,6 +21,7 @@ output folder appears by one rename (fedtune.core.atomic)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -36,6 +37,8 @@ import torch
 from fedtune.aggregate.adapter_size import pattern_value
 from fedtune.aggregate.merge import (
     STATE_RECORD,
+    _finite,
+    _round_label,
     check_same_base,
     manifest_tokens,
     normalised,
@@ -711,6 +714,22 @@ def aggregate_adapters(
     check_same_base(dict(pairs), start if start is not None else merge_into)
     shard_limit = parse_size(options.max_shard_size)
     loaded = [read_adapter(site, path) for site, path in pairs]
+    input_digests = [_verified_digests(a) for a in loaded]
+    tensors = [_load(a) for a in loaded]
+    # Every value of every site's adapter, before any is used (aggregate.non_finite, as for whole models).
+    left_out = _non_finite(loaded, tensors, options, _round_label(loaded, out_dir))
+    if left_out:
+        kept = [i for i, a in enumerate(loaded) if a.site not in {e["site"] for e in left_out}]
+        loaded, tensors, input_digests = ([x[i] for i in kept] for x in (loaded, tensors, input_digests))
+        manifests = {
+            site: path
+            for site, path in (manifests or {}).items()
+            if site not in {e["site"] for e in left_out}
+        }
+        if isinstance(options.weights, Mapping):
+            options = dataclasses.replace(
+                options, weights={s: w for s, w in options.weights.items() if s in {a.site for a in loaded}}
+            )
     source, raw = _weights(options.weights, [a.site for a in loaded], manifests)
     weighting = {"source": source, "raw": raw, "normalised": normalised(raw)}
     warnings = check_adapters(loaded, mode)
@@ -720,8 +739,6 @@ def aggregate_adapters(
         base = read_base(merge_into)
         plan = plan_merge(base, ref)
 
-    input_digests = [_verified_digests(a) for a in loaded]
-    tensors = [_load(a) for a in loaded]
     n_weights = [weighting["normalised"][a.site] for a in loaded]
     factors, whole, rank, scale = aggregate_factors(loaded, tensors, n_weights, mode)
     start_whole = None if optimizer.plain else _start_whole(Path(start) if start else None, whole)
@@ -747,6 +764,8 @@ def aggregate_adapters(
             "warnings": warnings,
             "server_optimizer": optimizer.to_dict(),
         }
+        if left_out:
+            record["left_out"] = left_out
         if state_tmp is not None:
             record["server_state_out"] = {
                 "dir": str(server_state_out),
@@ -773,6 +792,34 @@ def aggregate_adapters(
         + f" in {record['wall_time_s']:.1f} s"
     )
     return record
+
+
+def _non_finite(
+    loaded: Sequence[Adapter], tensors, options: AggregateOptions, round_label: str
+) -> list[dict]:
+    """The sites whose adapter holds NaN or an infinity: an error naming the first (site, tensor, round),
+    or with aggregate.non_finite leave_out their record (at least one site must stay)."""
+    left_out = []
+    for adapter, values in zip(loaded, tensors, strict=True):
+        name = next((n for n, t in values.items() if t.is_floating_point() and not _finite(t)), None)
+        if name is None:
+            continue
+        problem = (
+            f"{round_label}: site {adapter.site}: tensor {name} of its adapter holds NaN or infinite values"
+        )
+        if options.non_finite != "leave_out":
+            raise AdapterAggregateError(
+                f"{problem}; the site's training diverged or its adapter was damaged, and nothing was merged. "
+                "Retrain it, or set aggregate.non_finite: leave_out to merge the round without it"
+            )
+        _log(f"warning: {problem}: merging the round without site {adapter.site}")
+        left_out.append({"site": adapter.site, "tensor": name, "reason": "non-finite values"})
+    if len(left_out) == len(loaded):
+        raise AdapterAggregateError(
+            f"{round_label}: every site's adapter holds NaN or infinite values "
+            f"({', '.join(e['site'] for e in left_out)}): nothing is left to merge"
+        )
+    return left_out
 
 
 def _output_folders(stack: contextlib.ExitStack, out_dir: Path, merged_dir: Path | None):

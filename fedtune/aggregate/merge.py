@@ -111,12 +111,33 @@ def manifest_tokens(site: str, path: Path, *, error: type[UserError] = Aggregate
     if manifest.get("site", site) != site:
         raise error(f"site {site}: manifest {path} belongs to site {manifest['site']!r}")
     try:
-        tokens = manifest["splits"]["train"]["tokens_kept"]
+        train = manifest["splits"]["train"]
+        tokens = train["tokens_kept"]
     except (KeyError, TypeError):
         raise error(f"site {site}: manifest {path} has no splits.train.tokens_kept") from None
-    if not isinstance(tokens, int) or isinstance(tokens, bool):
+    if not _integer(tokens):
         raise error(f"site {site}: manifest {path}: splits.train.tokens_kept is not an integer")
+    # The manifest crossed from the site's cluster: its count weighs the site in the merge, so it must be
+    # one the site could have trained on: positive, and within what the same manifest says it tokenized.
+    if tokens <= 0:
+        raise error(
+            f"site {site}: manifest {path}: splits.train.tokens_kept is {tokens}; a site's token count "
+            "must be positive (a site that trained on nothing has no model to merge)"
+        )
+    bounds = {"splits.train.tokens (tokenized)": train.get("tokens")}
+    if _integer(train.get("blocks")) and _integer(manifest.get("block_size")):
+        bounds["splits.train.blocks x block_size"] = train["blocks"] * manifest["block_size"]
+    for what, bound in bounds.items():
+        if _integer(bound) and tokens > bound:
+            raise error(
+                f"site {site}: manifest {path}: splits.train.tokens_kept is {tokens}, more than the "
+                f"{bound} of its {what}; refused"
+            )
     return tokens
+
+
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def resolve_weights(
@@ -190,11 +211,7 @@ def read_site_update(site: str, path: Path, start: str | Path) -> SiteModel:
     header = exchange.read_header(path, label)
     exchange.check_start(header, start, label, path)
     parts = read_site_model(site, path, label)
-    missing = [
-        name + s for name, e in header.tensors.items() for s in _suffixes(e) if name + s not in parts.tensors
-    ]
-    if missing:
-        raise AggregateError(f"{label}: the update {path} lacks parts its header lists: {listing(missing)}")
+    exchange.check_parts(header, parts.tensors, label, path)
     view = {
         name: dataclasses.replace(parts.tensors[name], dtype=entry.dtype, shape=entry.shape)
         for name, entry in header.tensors.items()
@@ -314,6 +331,57 @@ def check_same_base(models: Mapping[str, str | Path], start: str | Path | None =
     )
 
 
+def _round_label(site_models: Sequence[SiteModel], out_dir: str | Path) -> str:
+    """The round in messages: from the output's folder (round-<r>/aggregate/model in a run), else from
+    the sites' training.json when they agree, else "this round"."""
+    for part in reversed(Path(out_dir).parts):
+        if match := re.fullmatch(r"round-(\d+)", part):
+            return f"round {int(match.group(1))}"
+    rounds = {(_json_file(m.path / "training.json") or {}).get("round") for m in site_models}
+    if len(rounds) == 1 and isinstance(next(iter(rounds)), int):
+        return f"round {next(iter(rounds))}"
+    return "this round"
+
+
+def _json_file(path: Path) -> dict | None:
+    try:
+        record = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def site_start(folder: str | Path) -> str | None:
+    """The identity of the start model a site model trained from, as its training recorded it
+    (training.json's `start`, fedtune.train.loop.export); None where the folder records none."""
+    record = (_json_file(Path(folder) / "training.json") or {}).get("start")
+    identity = record.get("identity") if isinstance(record, dict) else None
+    return identity if isinstance(identity, str) else None
+
+
+def check_same_start(site_models: Sequence[SiteModel], start: str | Path | None, round_label: str) -> None:
+    """Refuse a site model trained from another start model than this round's: a stale copy of an
+    earlier round or attempt, taken for the current one. Each site model names the start it trained from
+    (training.json `start`: fedtune.core.exchange.start_identity of its --init); the round's start is
+    the merge's --start. Without --start the sites must agree among themselves. A folder that records
+    no start (written by an older fedtune, or trained elsewhere) is not compared."""
+    recorded = {m.site: identity for m in site_models if (identity := site_start(m.path)) is not None}
+    if not recorded:
+        return
+    if start is not None:
+        expected, what = exchange.start_identity(start)["identity"], f"the round's start model {start}"
+    else:
+        first, expected = next(iter(recorded.items()))
+        what = f"site {first}'s start"
+    for site, identity in recorded.items():
+        if identity != expected:
+            raise AggregateError(
+                f"{round_label}: site {site} trained from start model {identity}, but {what} is {expected}: "
+                "a stale or foreign copy of the site's model (another round's or attempt's); fetch the "
+                "site's model of this round again, or retrain the site from this start"
+            )
+
+
 def check_compatible(models: Sequence[SiteModel], start: SiteModel | None = None) -> None:
     """Raise AggregateError listing every way a site (or the start model) differs from the first site."""
     problems = compatibility_problems(models, start)
@@ -346,6 +414,19 @@ def _log(message: str) -> None:
 # The merge
 
 
+class NonFiniteError(AggregateError):
+    """A site's tensor holds NaN or an infinity (found in the merge's pass, before its values are used)."""
+
+    def __init__(self, site: str, tensor: str, round_label: str):
+        self.site, self.tensor, self.round_label = site, tensor, round_label
+        self.problem = f"{round_label}: site {site}: tensor {tensor} holds NaN or infinite values"
+        super().__init__(
+            f"{self.problem}; the site's model diverged or was damaged, and nothing was merged. Look at its "
+            "training (loss.csv), retrain it, or set aggregate.non_finite: leave_out to merge the round "
+            "without it"
+        )
+
+
 def aggregate(
     models: Mapping[str, str | Path],
     out_dir: str | Path,
@@ -356,6 +437,56 @@ def aggregate(
     server_state_in: str | Path | None = None,
     server_state_out: str | Path | None = None,
     checksums: bool = True,
+) -> dict:
+    """Merge the site models `models` into `out_dir` (see `_aggregate`). A site found non-finite stops
+    the merge with an error, or (aggregate.non_finite: leave_out) the round is merged again without it
+    and aggregate.json's `left_out` says so."""
+    options = options or AggregateOptions.from_mapping({})
+    models = dict(models)
+    manifests = dict(manifests or {})
+    left_out: list[dict] = []
+    while True:
+        try:
+            return _aggregate(
+                models,
+                out_dir,
+                options,
+                manifests=manifests,
+                start=start,
+                server_state_in=server_state_in,
+                server_state_out=server_state_out,
+                checksums=checksums,
+                left_out=left_out,
+            )
+        except NonFiniteError as error:
+            if options.non_finite != "leave_out":
+                raise
+            if len(models) == 1:
+                earlier = ", ".join(e["site"] for e in left_out)
+                raise AggregateError(
+                    f"{error.problem}; with aggregate.non_finite: leave_out no other site is left to merge"
+                    + (f" (left out already: {earlier})" if earlier else "")
+                ) from None
+            _log(f"warning: {error.problem}: merging the round again without site {error.site}")
+            left_out.append({"site": error.site, "tensor": error.tensor, "reason": "non-finite values"})
+            models.pop(error.site)
+            manifests.pop(error.site, None)
+            if isinstance(options.weights, Mapping):
+                weights = {site: w for site, w in options.weights.items() if site != error.site}
+                options = dataclasses.replace(options, weights=weights)
+
+
+def _aggregate(
+    models: Mapping[str, str | Path],
+    out_dir: str | Path,
+    options: AggregateOptions,
+    *,
+    manifests: Mapping[str, str | Path],
+    start: str | Path | None,
+    server_state_in: str | Path | None,
+    server_state_out: str | Path | None,
+    checksums: bool,
+    left_out: Sequence[dict],
 ) -> dict:
     """Merge the site models `models` (site -> model folder) into `out_dir` as `options` say (the
     aggregate section; its defaults when None); returns aggregate.json.
@@ -369,7 +500,6 @@ def aggregate(
     compatibility) runs before the first byte is written; the options were checked when they were
     made."""
     started = time.perf_counter()
-    options = options or AggregateOptions.from_mapping({})
     method = merge_method(options.method)
     optimizer = options.server_optimizer
     if server_state_in is None and server_state_out is None and optimizer.plain_first_step:
@@ -400,7 +530,13 @@ def aggregate(
     shard_limit = parse_size(options.max_shard_size)
 
     needs_start = not plain or any(updates.values())
-    site_models, start_model = _read_models(models, manifests, tokens, start if needs_start else None)
+    # The start model's tensor table is read whenever it is given, for the checks: the sites must hold its
+    # tensors. Its values are read only where the merge needs them.
+    site_models, start_model = _read_models(models, manifests, tokens, start)
+    round_label = _round_label(site_models, out_dir)
+    check_same_start(site_models, start, round_label)
+    if not needs_start:
+        start_model = None
     ref = site_models[0]
     plan = plan_output(ref, options.dtype, shard_limit)
     order = [t for shard in plan for t in shard]
@@ -425,7 +561,13 @@ def aggregate(
             i: (*m.update, exchange.Rebuilder()) for i, m in enumerate(site_models) if m.update is not None
         }
         merge = _Merge(
-            method, options.parameters, options.server_optimizer, plain, rows=rows, updates=decoders
+            method,
+            options.parameters,
+            options.server_optimizer,
+            plain,
+            rows=rows,
+            updates=decoders,
+            round_label=round_label,
         )
         output, state_output, digests = _write_merged(
             tmp,
@@ -459,6 +601,15 @@ def aggregate(
             "output": output,
             "warnings": warnings,
         }
+        if left_out:
+            # aggregate.non_finite: leave_out: the sites this round was merged without, for the report.
+            record["left_out"] = list(left_out)
+        # What crosses with the merged model: the identity of the start it was merged from (as training.json
+        # of a site model carries its own) and this attempt.
+        if start is not None and (Path(start) / exchange.CHECKSUMS).is_file():
+            # From the start's checksum record (no read of its weights; a start without one is not named).
+            record["start_identity"] = exchange.start_identity(start)["identity"]
+        record["attempt"] = exchange.attempt()
         optimizer = options.server_optimizer.to_dict()
         if needs_start:
             record["start"] = extra_records[0]
@@ -641,6 +792,7 @@ class _Merge:
     updates: Mapping[int, tuple] = dataclasses.field(default_factory=dict)
     # Tensor name -> the server step's extrapolation factor (fedexp), filled in as tensors are merged.
     scales: dict[str, float] = dataclasses.field(default_factory=dict)
+    round_label: str = "this round"  # the round in messages: "round 3"
 
 
 def _write_merged(
@@ -701,6 +853,12 @@ def _write_merged(
             reader.reached(k)
             base = reader.get(start_i, tensor.name) if start_i is not None else None
             sources = [_site_tensor(reader, i, tensor.name, base, merge) for i in range(sites)]
+            if sources[0].dtype.is_floating_point:
+                # Every value of every site, before it is used: two reductions over the tensor the merge
+                # has just read (no read of its own), which NaN and infinities cannot pass unseen.
+                for i, src in enumerate(sources):
+                    if not _finite(src):
+                        raise NonFiniteError(folders[i].site, tensor.name, merge.round_label)
             slot, result = output.slot(tensor)
             if not sources[0].dtype.is_floating_point:
                 _check_identical(tensor.name, sources, [f.site for f in folders[:sites]])
@@ -727,6 +885,17 @@ def _write_merged(
             state_record = {"tensors": 0, "parameters": 0, "bytes": 0, "files": {}}
         digests = reader.digests()
     return record, state_record, digests
+
+
+def _finite(values: torch.Tensor) -> bool:
+    """Whether a float tensor holds no NaN and no infinity: its max and min propagate a NaN and are
+    infinite where an entry is, and the two vectorised reductions cost a fraction of a copy."""
+    if values.numel() == 0:
+        return True
+    if values.element_size() == 1:
+        # float8 (no max kernel on the CPU): chunk by chunk in fp32.
+        return all(_finite(values[lo:hi].float()) for lo, hi in chunks(values.numel()))
+    return math.isfinite(float(values.amax())) and math.isfinite(float(values.amin()))
 
 
 def _site_tensor(reader: FolderReader, i: int, name: str, base, merge: _Merge) -> torch.Tensor:

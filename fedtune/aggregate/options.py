@@ -85,6 +85,8 @@ SERVER_OPTIMIZERS: dict[str, ServerOptimizerEntry] = {
         ServerOptimizerEntry(
             "fedavgm", "fedavgm", {"lr": 1.0, "momentum": 0.5}, ("m",), low_rank=True, plain_first_step=True
         ),
+        # DiLoCo's outer step (Nesterov momentum): m = momentum * m + delta, lr * (delta + momentum * m)
+        ServerOptimizerEntry("nesterov", "nesterov", {"lr": 1.0, "momentum": 0.5}, ("m",)),
         # sgd's step; the merge scales it by the extrapolation factor, which reads every site's update
         ServerOptimizerEntry("fedexp", "sgd", {"lr": 1.0}, extrapolates=True),
         ServerOptimizerEntry("fedadam", "fedadam", _ADAPTIVE, ("m", "v")),
@@ -186,6 +188,7 @@ class AggregateOptions(_Options):
     vocab_rows: str
     vocab_step: str | float
     max_shard_size: str
+    non_finite: str
     dtype: str = "auto"
 
     @classmethod

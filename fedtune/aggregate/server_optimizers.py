@@ -6,6 +6,10 @@ fedavg, the merged task vector), and the new global model is x = start + update:
 
 - sgd:        update = lr * Delta                        (lr 1 is FedAvg)
 - fedavgm:    m = momentum * m + Delta; update = lr * m
+- nesterov:   m = momentum * m + Delta; update = lr * (Delta + momentum * m): DiLoCo's outer step
+  (Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models", 2023: outer
+  SGD with Nesterov momentum 0.9 at lr 0.7), which is torch.optim.SGD(nesterov=True, dampening 0)
+  applied to the pseudo-gradient start - mean (its first buffer is the first gradient, here m = Delta)
 - fedadagrad: m = b1 m + (1 - b1) Delta; v = v + Delta^2
 - fedyogi:    m as above; v = v - (1 - b2) Delta^2 sign(v - Delta^2)
 - fedadam:    m as above; v = b2 v + (1 - b2) Delta^2
@@ -59,6 +63,12 @@ def fedavgm(options, delta, state, out):
     m = out["m"]
     _decay(m, state.get("m"), options.momentum).add_(delta)
     return m * options.lr
+
+
+def nesterov(options, delta, state, out):
+    m = out["m"]
+    _decay(m, state.get("m"), options.momentum).add_(delta)
+    return delta.add_(m, alpha=options.momentum).mul_(options.lr)
 
 
 def fedadam(options, delta, state, out):

@@ -24,6 +24,7 @@ fedtune.core.options, and none of them imports torch at import time, so Snakemak
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import random
@@ -44,6 +45,7 @@ from fedtune.aggregate.options import (  # noqa: F401
     AggregateOptions,
     ServerOptimizerOptions,
 )
+from fedtune.core import data_files as data_file_checks
 from fedtune.core.options import (  # noqa: F401
     CAUSAL_LM,
     CLASSIFICATION,
@@ -171,12 +173,23 @@ class ModelOptions(_Options):
 
 # The datasets loader of each data file suffix (dataset.format: auto).
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet", ".csv": "csv"}
+# Compression suffixes datasets' loaders read through (c4-it.tfrecord-00000-of-01024.json.gz is json).
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
+
+
+def file_format(path: str) -> str | None:
+    """The datasets loader of a data file (or glob pattern) by its suffix, under any compression suffix."""
+    name = Path(path).name
+    for suffix in COMPRESSIONS:
+        name = name.removesuffix(suffix)
+    return FILE_FORMATS.get(Path(name).suffix)
 
 
 @dataclass(frozen=True)
 class DatasetOptions(_Options):
     """sites.<name>.dataset: where a site's text comes from. `splits` maps fedtune's train and test to the
-    source's splits (source hf); `data_files` maps each split to its files (source local), as tuples."""
+    source's splits (source hf); `data_files` maps each split to its files, as tuples (source local: paths;
+    source hf: paths or glob patterns inside the hub repository `name`, read without its loading script)."""
 
     SCHEMA = "config.schema.yaml#/$defs/dataset"
     PREFIX = "dataset"
@@ -218,19 +231,35 @@ class DatasetOptions(_Options):
 
     def check(self, where: str, *, base_dir: Path | None = None) -> None:
         """Local data files have one format and exist (relative to base_dir); `where` prefixes the key
-        named in the error ("file: sites.x.dataset.")."""
-        if self.source != "local":
+        named in the error ("file: sites.x.dataset."). A hub data set's data_files (files in its repository,
+        read without its loading script) have one format and come without `config`."""
+        if self.source != "local" and self.data_files is None:
             return
+        if self.source == "hf" and self.config is not None:
+            raise ConfigError(
+                f"{where}config: {self.config!r} with data_files: the files named in data_files are read "
+                "directly (no loading script, no configs); remove config"
+            )
         if self.loader is None:
             suffixes = sorted({Path(f).suffix for files in self.data_files.values() for f in files})
             raise ConfigError(
                 f"{where}data_files: cannot tell one format from the suffixes {suffixes}; "
                 "set the dataset's format to one of json, text, parquet, csv"
             )
+        if self.source == "hf":
+            return  # files in the hub repository: resolved at download
         for split, files in self.data_files.items():
             for file in files:
                 if not (Path(base_dir or ".") / file).is_file():
                     raise ConfigError(f"{where}data_files.{split}: file not found: {file}")
+        # A bad file fails here, at the dry run, where reading it is cheap; a large one at download.
+        paths = [Path(base_dir or ".") / f for files in self.data_files.values() for f in files]
+        if data_file_checks.cheap(paths):
+            for split, files in self.data_files.items():
+                for file in files:
+                    path = Path(base_dir or ".") / file
+                    if problem := data_file_checks.first_problem(path, self.loader, self.max_documents):
+                        raise ConfigError(f"{where}data_files.{split}: {problem}")
 
     @property
     def loader(self) -> str | None:
@@ -238,7 +267,7 @@ class DatasetOptions(_Options):
         where they name none or several, which `check` refuses)."""
         if self.format != "auto":
             return self.format
-        formats = {FILE_FORMATS.get(Path(f).suffix) for files in self.data_files.values() for f in files}
+        formats = {file_format(f) for files in self.data_files.values() for f in files}
         return formats.pop() if len(formats) == 1 else None
 
 
@@ -308,6 +337,13 @@ def _check_data_stays(config: Mapping, sites: Mapping[str, Site], source: str) -
             f"{source}: federation.pooled_baseline: trains one model on every site's text, but site {name}'s "
             f"text may not leave it ({key}: false); set federation.pooled_baseline: false, or {key}: true "
             "if its text may be pooled"
+        )
+    if config["aggregate"]["vocab_rows"] == "counts":
+        raise ConfigError(
+            f"{source}: aggregate.vocab_rows: counts sends each site's token histogram (token_counts.json: "
+            f"how often each token id occurs in the text it trained on) to the merge, but site {name}'s text "
+            f"may not leave it ({key}: false); set aggregate.vocab_rows: weights, or {key}: true if its "
+            "text may be shared"
         )
     read_on = data_read_on(config)
     for name, cluster in private.items():
@@ -551,13 +587,37 @@ def parse_duration(value, key: str) -> float:
     return float(match.group(1)) * DURATION_UNITS[match.group(2) or "s"]
 
 
+# ssh options that run a command (or load code) on the machine that logs in: the shared config is code
+# (yte), and these would make every controller that reads it run what the config says.
+COMMAND_SSH_OPTIONS = (
+    "proxycommand", "localcommand", "permitlocalcommand", "knownhostscommand", "match",
+    "pkcs11provider", "securitykeyprovider",
+)  # fmt: skip
+
+
 def _remotes(federation: Mapping) -> dict[str, Remote]:
-    return {
-        cluster: Remote(entry)
-        if isinstance(entry, str)
-        else Remote(entry["path"], entry.get("transfer", "pull"), tuple(entry.get("ssh_options", ())))
-        for cluster, entry in federation["remotes"].items()
-    }
+    """federation.remotes. An ssh option that runs a command (COMMAND_SSH_OPTIONS, in any spelling:
+    `Key=value`, `Key value`, `-o Key=value`, any case) is refused unless the entry says
+    allow_command_options: true."""
+    remotes = {}
+    for cluster, entry in federation["remotes"].items():
+        if isinstance(entry, str):
+            remotes[cluster] = Remote(entry)
+            continue
+        options = tuple(entry.get("ssh_options", ()))
+        if not entry.get("allow_command_options", False):
+            for option in options:
+                text = re.sub(r"^\s*-o\s*", "", str(option))
+                key = re.split(r"[\s=]", text.strip(), maxsplit=1)[0].lower()
+                if key in COMMAND_SSH_OPTIONS:
+                    raise ConfigError(
+                        f"federation.remotes.{cluster}.ssh_options: {option!r} runs a command on every "
+                        f"machine that logs into {cluster} ({key}): the shared config is code, and this is "
+                        "refused unless you mean it: set federation.remotes."
+                        f"{cluster}.allow_command_options: true (docs/transfers.md)"
+                    )
+        remotes[cluster] = Remote(entry["path"], entry.get("transfer", "pull"), options)
+    return remotes
 
 
 def _check_cluster(
@@ -645,6 +705,20 @@ class RunConfig:
     pooled_points: tuple[PooledPoint, ...] = ()
     # federation.participation: the sites of each round (index round - 1); empty: every site, every round.
     participants: tuple[tuple[str, ...], ...] = ()
+    # federation.site_steps: equal, or tokens (each site's steps by its share of the tokens: token_steps).
+    site_steps: str = "equal"
+
+    def token_steps(self, tokens: Mapping[str, int]) -> dict[str, TrainOptions]:
+        """Each site's train options with its steps a round in proportion to its training tokens
+        (federation.site_steps tokens; `tokens`: site -> tokens_kept of its manifest): the round's
+        steps stay those of equal steps (site_step_counts). With site_steps equal, the sites' own."""
+        if self.site_steps != "tokens":
+            return {name: site.train for name, site in self.sites.items()}
+        steps = next(iter(self.sites.values())).train.max_steps
+        counts = site_step_counts(steps, {name: tokens[name] for name in self.sites})
+        return {
+            name: dataclasses.replace(site.train, max_steps=counts[name]) for name, site in self.sites.items()
+        }
 
     def round_sites(self, round: int) -> tuple[str, ...]:
         """The sites that train in round `round` and whose models its aggregate merges."""
@@ -750,14 +824,25 @@ def train_run_keys(config: Mapping, *, federated: bool) -> dict:
 
 
 def _pooled_options(
-    config: Mapping, sites: Mapping[str, Site], source: str, participants: Sequence[Sequence[str]] = ()
+    config: Mapping,
+    sites: Mapping[str, Site],
+    source: str,
+    participants: Sequence[Sequence[str]] = (),
+    *,
+    sync: bool = False,
 ) -> TrainOptions:
     """The pooled baseline's training: the top-level train section over every site's data, with as many
     blocks as the whole federation trains (every participating site, every round), so that it sees the
-    same tokens."""
+    same tokens. Serial (the default): at the train section's global batch, M times a site's sequential
+    steps. `sync` (federation.pooled_sync): synchronous data parallelism over the sites' GPUs, M times
+    the global batch (M the sites of a round; by gradient accumulation, the micro batch kept) for a
+    site's number of steps. One training, no rounds: no round warmup (train.round_warmup_steps)."""
     rounds = config["federation"]["rounds"]
     base = TrainOptions.from_mapping(config["train"], source=source, prefix="train")
-    base = dataclasses.replace(base, **train_run_keys(config, federated=False))
+    base = dataclasses.replace(base, **train_run_keys(config, federated=False), round_warmup_steps=0)
+    if sync:
+        width = len(participants[0]) if participants else len(sites)
+        base = dataclasses.replace(base, global_batch=base.global_batch * width)
     if all(site.train.max_steps is not None for site in sites.values()):
         trained = participants or [list(sites)] * rounds
         blocks = sum(
@@ -830,16 +915,17 @@ SMOKE_DOCUMENTS = 10000
 
 def apply_smoke(config: dict) -> None:
     """A validated config with `smoke: true` made into its smoke test, in place: its own run folder
-    (<run>-smoke, so that nothing of it counts for the real run), one round, every site trained on 2
-    nodes for 10 steps with a 10-minute limit, at most SMOKE_DOCUMENTS documents per split in one
-    tokenize shard, and no pooled baseline or sweep."""
+    (<run>-smoke, so that nothing of it counts for the real run), one round, every site trained on
+    smoke_nodes (2 unless a profile says) nodes for 10 steps with a 10-minute limit, at most
+    SMOKE_DOCUMENTS documents per split in one tokenize shard, and no pooled baseline or sweep."""
     config["run"] = f"{config['run']}-smoke"
     config["federation"].update(rounds=1, pooled_baseline=False)
     config["sweep"] = None
     config["tokenize"]["shards"] = 1
-    config["train"].update(SMOKE_TRAIN)
+    smoke_train = {**SMOKE_TRAIN, "nodes": config.get("smoke_nodes", SMOKE_TRAIN["nodes"])}
+    config["train"].update(smoke_train)
     for site in config["sites"].values():
-        site["train"].update(SMOKE_TRAIN)
+        site["train"].update(smoke_train)
         dataset = site["dataset"]
         dataset["max_documents"] = min(dataset.get("max_documents") or SMOKE_DOCUMENTS, SMOKE_DOCUMENTS)
 
@@ -903,6 +989,13 @@ def build_run_config(config: dict, *, source: str = "config", base_dir: Path | N
                     "trains with deepspeed (whose optimizer also holds the weights)"
                 )
     aggregate = _aggregate_options(config, model, sites, source)
+    for name in sites:
+        if name in aggregate.compare:
+            raise ConfigError(
+                f"{source}: sites: {name!r} is also a merge method of aggregate.compare, whose models are "
+                f"scored in round-<r>/eval/{name}/ beside the sites' (and named so in the report); name the "
+                "site otherwise"
+            )
     # The default decided, so that the run's settings.json (and data_read_on) say it.
     config["evaluate"]["cross_site"] = resolve_cross_site(config)
     # With the run's task and BOS choice: a scoring job's --options then holds every setting it reads.
@@ -938,6 +1031,12 @@ def build_run_config(config: dict, *, source: str = "config", base_dir: Path | N
             )
         pooled = _pooled_options(config, sites, source, participants)
         pooled_points = pooled_sweep(federation, pooled, source)
+        if federation["pooled_sync"]:
+            sync = _pooled_options(config, sites, source, participants, sync=True)
+            pooled_points += pooled_sweep(federation, sync, source, sync=True)
+    elif federation["pooled_sync"]:
+        raise ConfigError(f"{source}: federation.pooled_sync: true needs federation.pooled_baseline: true")
+    _check_site_steps(federation, sites, participants, source)
     return RunConfig(
         raw=config,
         run=config["run"],
@@ -953,6 +1052,7 @@ def build_run_config(config: dict, *, source: str = "config", base_dir: Path | N
         rounds=federation["rounds"],
         lr_schedule=federation["lr_schedule"],
         site_optimizer=federation["site_optimizer"],
+        site_steps=federation["site_steps"],
         pooled=pooled,
         aggregate_on=aggregate_on,
         remotes=remotes,
@@ -1019,19 +1119,50 @@ def load_run_config(path: str | Path, *, base_dir: Path | None = None) -> RunCon
     return build_run_config(read_config_file(path), source=str(path), base_dir=base_dir)
 
 
-def configfile_problem(argv: Sequence[str]) -> str | None:
-    """The YAML syntax error of a --configfile on a Snakemake command line, as one line, or None.
-    Snakemake reads these files itself before the workflow loads, and says only that a file "is not
-    valid JSON or YAML"; the profiles, which Snakemake reads first, call this instead (refuse_...)."""
-    import argparse
+CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
 
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    parser.add_argument("--configfile", "--configfiles", nargs="+", action="extend", default=[])
-    files = parser.parse_known_args(list(argv))[0].configfile
-    for name in files:
+
+def configfile_names(argv: Sequence[str]) -> list[str | None]:
+    """The names Snakemake takes as config files on a command line (None for a --configfile that names
+    none): every word after --configfile up to the next option, as its argparse (nargs="+") does."""
+    names: list[str | None] = []
+    words = list(argv)
+    for index, word in enumerate(words):
+        option, _, value = word.partition("=")
+        if option not in ("--configfile", "--configfiles"):
+            continue
+        if value:
+            names.append(value)
+            continue
+        taken = list(itertools.takewhile(lambda w: not w.startswith("-"), words[index + 1 :]))
+        names += taken or [None]
+    return names
+
+
+def configfile_problem(argv: Sequence[str]) -> str | None:
+    """What is wrong with the --configfile of a Snakemake command line, as one line, or None: none named,
+    a file that is not there (a target placed after --configfile, which Snakemake reads as a config file
+    too), or a YAML syntax error. Snakemake reads these files itself before the workflow loads, and ends
+    in a traceback or says only that a file "is not valid JSON or YAML"; the profiles, which Snakemake
+    reads first, call this instead (refuse_broken_configfiles)."""
+    names = configfile_names(argv)
+    for position, name in enumerate(names):
+        if name is None:
+            return (
+                "--configfile names no file: give it your config, e.g. `--configfile "
+                "config/examples/demo-lora.yaml` (without --configfile the run is the demo's config/config.yaml)"
+            )
         path = Path(name)
-        if not path.is_file():
-            continue  # not ours to judge: Snakemake names a missing file itself
+        target = position > 0 and not name.endswith(CONFIG_SUFFIXES)
+        if target or not path.is_file():
+            problem = f"--configfile {name}: " + ("no such file" if not path.exists() else "no config file")
+            if target or position > 0 or not name.endswith(CONFIG_SUFFIXES):
+                config = next((n for n in names if n and n.endswith(CONFIG_SUFFIXES)), "<config>.yaml")
+                problem += (
+                    "; Snakemake reads every name after --configfile as a config file: put targets before it, "
+                    f"`snakemake ... {name} --configfile {config}`"
+                )
+            return problem
         text = path.read_text(encoding="utf-8", errors="replace")
         try:
             json.loads(text)
@@ -1058,6 +1189,85 @@ def refuse_broken_configfiles(argv: Sequence[str]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
+# Start checks that need to know how Snakemake was started (workflow/rules/common.smk calls them)
+
+
+def profile_clusters(profiles_dir: Path) -> dict[str, str]:
+    """{cluster: profile folder} of the profiles that set a `cluster` (profiles/leonardo, ...): the
+    real clusters, whose jobs need Slurm and that cluster's nodes."""
+    clusters = {}
+    for path in sorted(Path(profiles_dir).glob("*/config.yaml")):
+        match = re.search(r"^config:\n(?:[ \t]+.*\n|\n)*?[ \t]+cluster:[ \t]*(\S+)", path.read_text(), re.M)
+        if match:
+            clusters[match.group(1)] = path.parent.name
+    return clusters
+
+
+def twin_command(source: str) -> str:
+    """The scripts/twin command that makes a laptop-sized copy of the config `source` (of several config
+    files, the first)."""
+    source = source.split(" + ")[0]
+    stem = Path(source).stem if source.endswith(CONFIG_SUFFIXES) else "my-config"
+    name = source if source.endswith(CONFIG_SUFFIXES) else "<config>"
+    return (
+        f"scripts/twin {name} --assets results/twins --out results/twins/{stem}.yaml && snakemake --profile "
+        f"profiles/local --configfile results/twins/{stem}.yaml"
+    )
+
+
+def cluster_profile_problem(run: RunConfig, profiles_dir: Path, source: str) -> str | None:
+    """A config whose sites train on real clusters (a cluster with its own profile, which sets `cluster`)
+    started without a cluster (profiles/local or another profile that sets none): every job would run on
+    this machine, the multi-node trainings and the hub downloads of a 7B model included. One line that
+    says what to do, or None."""
+    if run.cluster is not None:
+        return None
+    known = profile_clusters(profiles_dir)
+    remote = [(name, site.cluster) for name, site in run.sites.items() if site.cluster in known]
+    if not remote:
+        return None
+    where = ", ".join(f"sites.{name}.cluster: {cluster}" for name, cluster in remote)
+    profiles = ", ".join(f"--profile profiles/{known[c]}" for c in sorted({c for _, c in remote}))
+    return (
+        f"{source}: {where}, but this run names no cluster (a profile such as profiles/local runs every job "
+        f"on this machine): on the cluster, run it with {profiles}; on this machine, run its laptop-sized "
+        f"twin instead: `{twin_command(source)}`"
+    )
+
+
+# What the examples' federation.remotes hold until they are edited, and what the start checks' advice
+# writes (`user@host:/path/to/...`): the IT4I project id dd-00-00, the user `me` on a real login host.
+REMOTE_PLACEHOLDERS = (
+    re.compile(r"dd-00-00"),
+    re.compile(r"^me@[^:/]*\."),
+    re.compile(r"^user@host:"),
+    re.compile(r"/path/to/"),
+    re.compile(r"<[^>]*>"),
+)
+
+
+def placeholder_remotes(run: RunConfig, clusters: Sequence[str]) -> dict[str, str]:
+    """{cluster: path} of the federation.remotes entries of `clusters` (those this cluster logs into)
+    that still hold a placeholder."""
+    return {
+        cluster: run.remotes[cluster].path
+        for cluster in clusters
+        if cluster in run.remotes and any(p.search(run.remotes[cluster].path) for p in REMOTE_PLACEHOLDERS)
+    }
+
+
+def placeholder_problem(run: RunConfig, clusters: Sequence[str], source: str) -> str | None:
+    placeholders = placeholder_remotes(run, clusters)
+    if not placeholders:
+        return None
+    entries = "; ".join(f"federation.remotes.{c}.path is {path!r}" for c, path in placeholders.items())
+    return (
+        f"{source}: {entries}: a placeholder, which {run.cluster} logs into to send or fetch files; write your "
+        "user, login host and project there (README.md, Quick start, step 2)"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
 # The pooled yardstick's sweep (federation.pooled_lr_factors, pooled_embedding_lr_factors; issue 39)
 
 
@@ -1078,20 +1288,83 @@ def pooled_point_label(lr_factor: float, embedding_lr_factor: float | None) -> s
     return label if embedding_lr_factor is None else f"{label}-emb{embedding_lr_factor:g}x"
 
 
-def pooled_sweep(federation: Mapping, pooled: TrainOptions, source: str) -> tuple[PooledPoint, ...]:
+def pooled_sweep(
+    federation: Mapping, pooled: TrainOptions, source: str, *, sync: bool = False
+) -> tuple[PooledPoint, ...]:
     """The pooled models besides the one at the user's settings (`pooled`): every lr factor crossed with
-    every embedding/head factor (none: the train section's), the user's own point left out."""
+    every embedding/head factor (none: the train section's), the user's own point left out. `sync`: the
+    synchronous data-parallel pooled models (federation.pooled_sync), every point, labelled
+    pooled-sync-lr<f>x[-emb<e>x]."""
     embedding_factors = federation["pooled_embedding_lr_factors"] or [None]
     points = []
     for lr_factor in federation["pooled_lr_factors"]:
         for embedding in embedding_factors:
             factor = pooled.embedding_lr_factor if embedding is None else float(embedding)
-            if lr_factor == 1 and factor == pooled.embedding_lr_factor:
+            if lr_factor == 1 and factor == pooled.embedding_lr_factor and not sync:
                 continue  # the pooled model at the user's settings (pooled/model)
             options = dataclasses.replace(pooled, lr=pooled.lr * lr_factor, embedding_lr_factor=factor)
             options.check(f"{source}: federation.pooled_lr_factors ({lr_factor:g}): ")
-            points.append(PooledPoint(pooled_point_label(lr_factor, embedding), options.lr, factor, options))
+            label = pooled_point_label(lr_factor, embedding)
+            if sync:
+                label = label.replace(POOLED_PREFIX, SYNC_PREFIX, 1)
+            points.append(PooledPoint(label, options.lr, factor, options))
     return tuple(points)
+
+
+# The synchronous data-parallel pooled models' labels (federation.pooled_sync): pooled-sync-lr1x, ...
+POOLED_PREFIX, SYNC_PREFIX = "pooled-", "pooled-sync-"
+
+
+def site_step_counts(steps: int, tokens: Mapping[str, int]) -> dict[str, int]:
+    """federation.site_steps tokens: each site's steps a round, `steps` x M x its share of the tokens,
+    rounded by largest remainder (ties in the sites' order) so that they add up to steps x M, each at
+    least 1 (taken from the site with the most steps where that needs it)."""
+    total, names = sum(tokens.values()), list(tokens)
+    budget = steps * len(names)
+    if total <= 0:
+        return dict.fromkeys(names, steps)
+    quotas = {name: budget * tokens[name] / total for name in names}
+    counts = {name: math.floor(q) for name, q in quotas.items()}
+    by_remainder = sorted(names, key=lambda n: (-(quotas[n] - counts[n]), names.index(n)))
+    for name in by_remainder[: budget - sum(counts.values())]:
+        counts[name] += 1
+    for name in names:
+        while counts[name] < 1:
+            counts[max(names, key=lambda n: (counts[n], -names.index(n)))] -= 1
+            counts[name] += 1
+    return counts
+
+
+def site_steps_problem(run: RunConfig, source: str) -> str | None:
+    """Why the workflow cannot run this config's federation.site_steps (None: it can). A train job's
+    steps are in its --options, fixed when Snakemake plans the run, before the tokenize jobs count the
+    sites' tokens; shares by tokens are for now the benchmark's (benchmarks/federation_yardstick.py
+    --site-steps tokens, through RunConfig.token_steps)."""
+    if run.site_steps != "tokens":
+        return None
+    return (
+        f"{source}: federation.site_steps: tokens is not yet planned by the workflow (a train job's steps are "
+        "fixed before the sites' tokens are counted); set each site's train.max_steps in proportion to its "
+        "tokens by hand, or use site_steps: equal"
+    )
+
+
+def _check_site_steps(
+    federation: Mapping, sites: Mapping[str, Site], participants: Sequence, source: str
+) -> None:
+    """federation.site_steps tokens shares one round's steps: every site trains every round, each with
+    the same max_steps and global_batch (the steps it shares out)."""
+    if federation["site_steps"] != "tokens":
+        return
+    where = f"{source}: federation.site_steps: tokens"
+    if participants:
+        raise ConfigError(f"{where} shares each round's steps among every site; leave participation null")
+    plans = {(s.train.max_steps, s.train.global_batch) for s in sites.values()}
+    if len(plans) > 1 or next(iter(plans))[0] is None:
+        raise ConfigError(
+            f"{where} needs train.max_steps (not epochs) and the same max_steps and global_batch at every "
+            f"site, but they are {', '.join(f'{n} {s.train.max_steps}x{s.train.global_batch}' for n, s in sites.items())}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -107,6 +107,14 @@ def score_crossings(run: RunConfig) -> list[Crossing]:
     ]
 
 
+def checks_start(run: RunConfig, round: int | str) -> bool:
+    """Whether a model of `round` that crosses is compared on arrival with the round's start model there
+    (fedtune.core.transfer.stale: training.json `start`, aggregate.json `start_identity`): whole models
+    from round 2 on. Not round 1 (each cluster's own download of the base: the merge compares those),
+    adapters or compressed updates (their start is checked where they are merged or decoded)."""
+    return not uses_adapters(run) and not run.exchange.compressed and int(round) > 1
+
+
 def transfer_mode(run: RunConfig, cluster: str) -> str:
     """How files reach `cluster`'s run folder: pull (it fetches them) or push (their maker sends them)."""
     remote = run.remotes.get(cluster)

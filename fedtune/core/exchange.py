@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from fedtune.core.checksums import folder_identity, sha256_file
+from fedtune.core.checksums import folder_identity, weight_digests
 from fedtune.core.config import ExchangeOptions, UserError
 
 HEADER_KEY = "fedtune.exchange"
@@ -231,13 +231,34 @@ class Rebuilder:
 def start_identity(start_dir: str | Path) -> dict:
     """The start model's identity: sha256 of each weight file, from the record its writer left
     (fedtune-checksums.json), else hashed here; and one sha256 over them."""
-    start_dir = Path(start_dir)
-    record_path = start_dir / CHECKSUMS
-    if record_path.is_file():
-        files = {name: entry["sha256"] for name, entry in json.loads(record_path.read_text()).items()}
-    else:
-        files = {p.name: sha256_file(p) for p in sorted(start_dir.glob("*.safetensors"))}
+    files = weight_digests(start_dir)
     return {"identity": folder_identity(files), "files": files}
+
+
+def attempt() -> dict:
+    """This attempt at making a model: a fresh id, the Slurm job (if any), the host and the time. Two
+    makings of the same item (a rerun, a requeue that exported again) never share the id."""
+    import datetime
+    import os
+    import socket
+    import uuid
+
+    return {
+        "id": uuid.uuid4().hex,
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        "host": socket.gethostname(),
+        "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def origin(start_dir: str | Path) -> dict:
+    """What a model that crosses carries about where it comes from: the identity of the start model it
+    was made from (`start_identity`'s one hash; the merge refuses a site model of another start than
+    its round's) and its attempt."""
+    return {
+        "start": {"identity": start_identity(start_dir)["identity"], "model": str(start_dir)},
+        "attempt": attempt(),
+    }
 
 
 @dataclass(frozen=True)
@@ -323,6 +344,62 @@ def check_start(header: UpdateHeader, start_dir: str | Path, label: str, folder:
             f"({_files(header.start)}), but {start_dir} is {here['identity']} ({_files(here)}): it cannot be "
             "rebuilt from this start model; fetch the round's start model again, or retrain the site"
         )
+
+
+KINDS = ("raw", *FLOAT_DTYPES, *INT_MAX)
+
+
+def entry_problem(entry: TensorEntry) -> str | None:
+    """Why a header's tensor entry cannot be decoded (None: it can): an unknown dtype or codec, a
+    shape that is not a list of sizes, a block that is no positive size."""
+    from fedtune.core.safetensors_stream import ST_DTYPES
+
+    if entry.dtype not in ST_DTYPES:
+        return f"dtype {entry.dtype!r} is not a safetensors dtype"
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in entry.shape):
+        return f"shape {list(entry.shape)} is not a list of sizes"
+    kind, block = entry.encoding.kind, entry.encoding.block
+    if kind not in KINDS:
+        return f"encoding {kind!r} is not one of {', '.join(KINDS)}"
+    if not isinstance(block, int) or isinstance(block, bool) or block < 0 or (kind == "int4" and block == 0):
+        return f"block {block!r} is not a size for {kind}"
+    if (kind == "raw") == ST_DTYPES[entry.dtype].is_floating_point:
+        return f"encoding {kind} does not fit dtype {entry.dtype}"
+    return None
+
+
+def check_parts(header: UpdateHeader, parts: Mapping, label: str, folder: str | Path) -> None:
+    """Refuse an update whose parts (name -> the stored tensor's dtype name, shape and bytes) are not
+    exactly what the header's codec makes of each tensor's shape: a short part would be decoded from
+    whatever the decoder's buffer held before (the previous tensor's values), a long one would hide
+    bytes. Every part of every tensor, before a byte is decoded."""
+    from fedtune.core.safetensors_stream import ST_DTYPES, ST_NAMES
+
+    where = f"{label}: the update {folder}"
+    expected = {}
+    for name, entry in header.tensors.items():
+        problem = entry_problem(entry)
+        if problem:
+            raise ExchangeError(f"{where}: its header's tensor {name}: {problem}")
+        sizes = part_shapes(entry.encoding, entry.shape, ST_DTYPES[entry.dtype])
+        for suffix, (dtype, numel) in sizes.items():
+            expected[name + suffix] = (name, ST_NAMES[dtype], numel, numel * dtype.itemsize)
+    missing = [part for part in expected if part not in parts]
+    if missing:
+        raise ExchangeError(f"{where} lacks parts its header lists: {', '.join(missing[:8])}")
+    extra = [part for part in parts if part not in expected]
+    if extra:
+        raise ExchangeError(f"{where} holds parts its header does not list: {', '.join(sorted(extra)[:8])}")
+    for part, (name, dtype, numel, nbytes) in expected.items():
+        info = parts[part]
+        got = math.prod(info.shape)
+        if info.dtype != dtype or got != numel or info.nbytes != nbytes:
+            entry = header.tensors[name]
+            raise ExchangeError(
+                f"{where}: tensor {name}'s part {part!r} holds {got} {info.dtype} values ({info.nbytes} "
+                f"bytes), but {entry.encoding.kind} of shape {list(entry.shape)} makes {numel} {dtype} "
+                f"values ({nbytes} bytes); refused"
+            )
 
 
 def _files(identity: dict) -> str:

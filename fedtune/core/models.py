@@ -177,6 +177,11 @@ def check_model_dir(model_dir: str | Path, *, allow_pickle: bool = False) -> Pat
             )
         if not pickles:
             raise ModelError(f"{model_dir}: no weights (*.safetensors)")
+    if (model_dir / "model.safetensors.index.json").is_file():
+        # transformers opens whatever files the index names: plain files of this folder only.
+        from fedtune.core.safetensors_stream import read_index
+
+        read_index(model_dir, f"the model {model_dir}")
     return model_dir
 
 

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import importlib.resources
 import json
+import math
 import string
 import types
 from collections.abc import Mapping, Sequence
@@ -120,12 +121,63 @@ def _explain(error: jsonschema.ValidationError) -> str:
         return f"{error.message}; allowed keys: {', '.join(allowed)}"
     if error.validator == "pattern" and error.schema.get("pattern") == "\\{text\\}":
         return f"{error.instance!r} does not contain the placeholder {{text}}"
+    if error.validator == "type" and isinstance(error.instance, str) and _number_text(error.instance):
+        # YAML 1.1 (PyYAML, Snakemake) reads 3e-3 as a string: a float needs a dot and a signed exponent.
+        number = float(error.instance)
+        wanted = error.validator_value if isinstance(error.validator_value, list) else [error.validator_value]
+        floats = "number" in wanted and "e" in error.instance.lower()
+        forms = [_decimal(number)] + ([_yaml_float(number)] if floats else [])
+        return (
+            f"{error.instance!r} is a string, not a number (YAML reads e-notation as a number only with a dot "
+            f"and a signed exponent): write {' or '.join(forms)}"
+        )
+    if error.validator == "not" and set(error.schema.get("not", {})) == {"enum"}:
+        # sites' propertyNames: a site name that is also a folder or a model of the run (config.schema.yaml).
+        why = RESERVED_SITE_NAMES.get(error.instance)
+        if why:
+            return f"{error.instance!r} is reserved as a site's name: {why}; name the site otherwise"
     return error.message
+
+
+def _number_text(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return text.strip().lower() not in ("nan", "inf", "-inf", "+inf", "infinity", "-infinity")
+
+
+def _decimal(number: float) -> str:
+    """The number written out without an exponent: 0.003, 1000."""
+    from decimal import Decimal
+
+    return str(int(number)) if number.is_integer() else format(Decimal(repr(number)), "f")
+
+
+def _yaml_float(number: float) -> str:
+    """The e-notation YAML 1.1 reads as a float: 3.0e-3."""
+    mantissa, exponent = f"{number:e}".split("e")
+    mantissa = mantissa.rstrip("0")
+    return f"{mantissa}{'0' if mantissa.endswith('.') else ''}e{int(exponent):+d}"
+
+
+# Why each reserved site name is reserved (config.schema.yaml's sites.propertyNames lists the same names;
+# tests/test_first_hour.py checks they agree): a site's name is a folder of the run folder and a model's
+# name in the report, beside these.
+RESERVED_SITE_NAMES = {
+    "aggregate": "it names the merged model (round-<r>/aggregate/, the report's aggregate row)",
+    "base": "it names the base model (model/base, eval/base/, the report's base row)",
+    "pooled": "it names the pooled baseline (pooled/, pooled/eval/<site>.json, the report's pooled row)",
+    "compare": "round-<r>/compare/ holds the models of aggregate.compare beside the sites' round-<r>/<site>/",
+    "eval": "round-<r>/eval/ holds the round's scores beside the sites' round-<r>/<site>/",
+    "tasks": "eval/tasks/ and round-<r>/eval/tasks/ hold the downstream task scores beside each model's",
+}
 
 
 def validate_section(data: Any, schema_name: str, *, source: str, prefix: str = "") -> Any:
     """Validate `data` against one schema file, filling defaults in place; raise ConfigError naming
     `source` (a file or a CLI option) and the key path of the first problem."""
+    _check_finite(data, source, [prefix] if prefix else [])
     validator = _validator(schema_name)
     errors = sorted(validator.iter_errors(data), key=lambda e: (len(list(e.absolute_path)), e.message))
     if errors:
@@ -135,6 +187,20 @@ def validate_section(data: Any, schema_name: str, *, source: str, prefix: str = 
             err = sorted(err.context, key=lambda e: -len(list(e.absolute_path)))[0]
         raise ConfigError(f"{source}: {_key_path(err, prefix)}: {_explain(err)}")
     return data
+
+
+def _check_finite(value: Any, source: str, path: list[str]) -> None:
+    """Refuse NaN and infinities wherever the config holds a number (YAML's .nan and .inf, JSON's NaN and
+    Infinity): JSON Schema compares them without complaint (NaN is below no minimum), and a NaN learning
+    rate trains silently. One walk over every value, before the schema's checks."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{source}: {'.'.join(path) or '(top level)'}: {value!r} is not a finite number")
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            _check_finite(item, source, [*path, str(key)])
+    elif isinstance(value, (list, tuple)):
+        for k, item in enumerate(value):
+            _check_finite(item, source, [*path, str(k)])
 
 
 def deep_merge(base: Mapping, override: Mapping) -> dict:

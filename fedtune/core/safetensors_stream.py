@@ -109,6 +109,35 @@ def read_header(path: Path) -> dict:
     return {"_data_start": 8 + length, **header}
 
 
+def index_problem(tensor: object, file: object) -> str | None:
+    """Why an entry of a weight index is not a plain file of the index's own folder (None: it is one).
+    An index comes with the folder, from whoever wrote it: another cluster's site model may name
+    `../../it/model/model.safetensors` to have this cluster's own site model read as its weights."""
+    if not isinstance(tensor, str) or not isinstance(file, str):
+        return "is not a tensor name mapped to a file name"
+    if not file or file in (".", "..") or "/" in file or "\\" in file or "\0" in file:
+        return "is not a plain file name of the index's own folder"
+    return None
+
+
+def read_index(path: Path, label: str) -> dict[str, str]:
+    """The weight map of the folder's model.safetensors.index.json: tensor name -> file, every file a plain
+    name of the folder itself; raises WeightsError naming the folder's owner, the file and the entry."""
+    index_path = Path(path) / INDEX_FILE
+    try:
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise WeightsError(f"{label}: {index_path} is not valid JSON: {e}") from None
+    weight_map = index.get("weight_map", {}) if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise WeightsError(f"{label}: {index_path}: weight_map is not a mapping of tensor names to files")
+    for tensor, file in weight_map.items():
+        problem = index_problem(tensor, file)
+        if problem:
+            raise WeightsError(f"{label}: {index_path}: entry {tensor!r}: {file!r} {problem}; refused")
+    return weight_map
+
+
 def read_weights(site: str, path: Path, label: str | None = None) -> WeightFolder:
     """The tensor table of a folder holding model.safetensors, or shards and their index."""
     path = Path(path)
@@ -117,8 +146,7 @@ def read_weights(site: str, path: Path, label: str | None = None) -> WeightFolde
     files: dict[str, int] = {}
     index_path = path / INDEX_FILE
     if index_path.is_file():
-        index = json.loads(index_path.read_text(encoding="utf-8"))
-        weight_map: dict[str, str] = index.get("weight_map", {})
+        weight_map: dict[str, str] = read_index(path, who)
         weight_files = sorted(set(weight_map.values()))
         files[INDEX_FILE] = index_path.stat().st_size
         sharded = True

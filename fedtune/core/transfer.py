@@ -12,18 +12,27 @@ federation").
 A folder (or file) is complete when its maker says so: `mark` writes `<name>.COMPLETE` beside it, after
 the folder's atomic rename, with the sha256 of each of its files (sha256sum's format: `sha256sum -c` in
 the parent folder checks it). Nothing without that marker is taken. With --outbox it also publishes the
-item: hard links of its files (a copy where links cannot be made) under <run>/exchange/outbox/<item>, its
-marker last. Everything another cluster reads or writes is under <run>/exchange (outbox/ and inbox/), so an
-ssh key confined there (rsync's rrsync; docs/transfers.md) is all a remote login needs.
+item: a copy of its files (a reflink where the file system has them, never a hard link: the other cluster
+must not reach a live file) under <run>/exchange/outbox/<item>, its marker last. Everything another
+cluster reads or writes is under <run>/exchange (outbox/ and inbox/), so an ssh key confined there
+(scripts/fedtune-rsync-gate, or rsync's rrsync -ro / -wo; docs/transfers.md) is all a remote login needs.
+
+What arrives is untrusted: only regular files and folders are taken (rsync without links, devices or
+special files, and `verify` walks without following links: a link, FIFO or device anywhere is refused by
+name), a marker may name only paths inside its item, and a weight index may name only plain files of its
+own folder. The sha256 list comes from the same peer: it catches corruption, not tampering.
 
 - fetch (the receiver logs in): waits until the source's marker is there, polling with backoff up to
   --wait, copies the folder under a temporary name, verifies every file against the marker and renames
   the copy into place. A copy that fails verification is deleted and fetched again.
-- push (the maker logs in): copies the item into the receiver's run folder, under exchange/inbox/, has rsync
-  compare every file by checksum (sending again what differs), and sends the marker last. It waits (with
-  backoff) while the receiver's run folder cannot be reached.
-- receive (the receiver of a push): waits for the marker in its own inbox, verifies, and moves the item
-  into place. A copy that fails verification is deleted; the wait goes on for the next push.
+- push (the maker logs in): withdraws the item's old marker from the receiver's inbox (so that a copy
+  being replaced is never taken for a complete one), copies the item into the receiver's run folder, under
+  exchange/inbox/, has rsync compare every file by checksum (sending again what differs), and sends the
+  marker last. It waits (with backoff) while the receiver's run folder cannot be reached.
+- receive (the receiver of a push): waits for the marker in its own inbox, copies the item out of it
+  (regular files only, opened without following links), verifies the copy and renames it into place. The
+  inbox item stays until a new push replaces it, so a deleted received output is received again without
+  the sender. A copy that fails verification is deleted; the wait goes on for the next push.
 
 While waiting each prints a line naming the remote, the round, what it waits for and how long it has
 waited; at --wait it fails with what to check where, and leaves nothing partial behind.
@@ -37,9 +46,13 @@ transfer waits is picked up by its next look."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -50,7 +63,7 @@ from pathlib import Path
 
 from fedtune.core import cli
 from fedtune.core.atomic import atomic_dir, remove_stale, write_text
-from fedtune.core.checksums import sha256_file
+from fedtune.core.checksums import model_identity, sha256_file
 from fedtune.core.config import UserError, parse_duration
 
 MARKER = ".COMPLETE"
@@ -64,6 +77,12 @@ NOT_THERE = {23, 24}
 # 30: no data sent or received for --timeout seconds.
 STALLED = 30
 ATTEMPTS = 3
+# rsync's options for what crosses: recursive, times kept, and nothing but regular files and folders (no
+# -a: it implies links, devices and special files, which a peer could use to point at this cluster's own
+# files or block a reader).
+COPY = ("-rt", "--no-links", "--no-specials", "--no-devices")
+# linux/fs.h: FICLONE, a copy-on-write clone of a whole file (btrfs, XFS with reflink, bcachefs, ZFS 2.2).
+FICLONE = 0x40049409
 
 
 class TransferError(UserError):
@@ -96,16 +115,47 @@ def mark(path: str | Path, outbox: str | Path | None = None) -> Path:
     return marker
 
 
-def _link_or_copy(source: Path, target: Path) -> None:
+def clone_or_copy(source: int | str | Path, target: str | Path) -> str:
+    """Write a new file `target` with the bytes of `source` (a path or an open descriptor): a reflink
+    (FICLONE: shares the blocks until either side writes, so writing one never changes the other) where
+    the file system has them, else an in-kernel copy (copy_file_range), else a read-write copy. Never a
+    hard link. Returns "reflink" or "copy"."""
+    # A path is this cluster's own file (publish); a descriptor was opened without following links.
+    src = source if isinstance(source, int) else os.open(source, os.O_RDONLY)
     try:
-        os.link(source, target)
-    except OSError:  # another file system, or links refused: a copy costs space, not correctness
-        shutil.copy2(source, target)
+        dst = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        try:
+            try:
+                fcntl.ioctl(dst, FICLONE, src)
+                return "reflink"
+            except OSError:
+                pass
+            size, done = os.fstat(src).st_size, 0
+            os.lseek(src, 0, os.SEEK_SET)
+            try:
+                while done < size and (n := os.copy_file_range(src, dst, size - done)):
+                    done += n
+            except OSError as error:  # an old kernel or a file system without it: copy by hand
+                if error.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                    raise
+                os.lseek(src, done, os.SEEK_SET)
+                while chunk := os.read(src, 16 << 20):
+                    view = memoryview(chunk)
+                    while view:
+                        view = view[os.write(dst, view) :]
+            return "copy"
+        finally:
+            os.close(dst)
+    finally:
+        if not isinstance(source, int):
+            os.close(src)
 
 
 def publish(path: Path, outbox: Path, text: str) -> None:
-    """Put `path` at `outbox` as hard links (no second copy of a model on disk), then its marker. The
-    old marker goes first, so a remote never takes a half-replaced item for a complete one."""
+    """Put a copy of `path` at `outbox` (clone_or_copy: a reflink where the file system allows, never a
+    hard link, so that nothing the other cluster does to the outbox reaches the live item), written under
+    a temporary name and renamed, then its marker. The old marker goes first, so a remote never takes a
+    half-replaced item for a complete one."""
     marker_path(outbox).unlink(missing_ok=True)
     if path.is_dir():
         with atomic_dir(outbox) as tmp:
@@ -115,34 +165,107 @@ def publish(path: Path, outbox: Path, text: str) -> None:
                     target.mkdir(parents=True, exist_ok=True)
                 else:
                     target.parent.mkdir(parents=True, exist_ok=True)
-                    _link_or_copy(source, target)
+                    clone_or_copy(source, target)
     else:
         outbox.parent.mkdir(parents=True, exist_ok=True)
         remove_stale(outbox)
-        tmp = outbox.with_name(f".{outbox.name}.tmp-link")
+        tmp = outbox.with_name(f".{outbox.name}.tmp-copy")
         tmp.unlink(missing_ok=True)
-        _link_or_copy(path, tmp)
+        clone_or_copy(path, tmp)
         tmp.replace(outbox)
     write_text(marker_path(outbox), text)
 
 
 def parse_marker(text: str, where: str) -> dict[str, str]:
+    """{path: sha256} of a marker. Each path must lie inside the item: relative, without `..` or empty
+    parts (a peer's marker is untrusted)."""
     sums = {}
     for line in text.splitlines():
         digest, sep, name = line.partition("  ")
-        if not sep or len(digest) != 64:
+        if not sep or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
             raise TransferError(f"{where}: not a sha256 list (line {line!r})")
+        parts = name.split("/")
+        if name.startswith("/") or any(part in ("", ".", "..") for part in parts) or "\\" in name:
+            raise TransferError(f"{where}: names {name!r}, which is not a path inside the item: refused")
         sums[name] = digest
     return sums
 
 
+def _kind(mode: int) -> str:
+    for test, kind in (
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+def _not_regular(path: Path, shown: str, mode: int) -> str:
+    kind = _kind(mode)
+    if stat.S_ISLNK(mode):
+        kind += f" to {os.readlink(path)}"
+    return f"{shown}: {kind}, not a regular file or folder: refused"
+
+
+def regular_files(path: Path, name: str) -> tuple[dict[str, Path], str | None]:
+    """The regular files of `path` (a folder or a file, standing for `name`), keyed as a marker names
+    them, walked without following any link; or why not: the first entry that is a link, FIFO, socket or
+    device, named."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return {}, None
+    if stat.S_ISREG(mode):
+        return {name: path}, None
+    if not stat.S_ISDIR(mode):
+        return {}, _not_regular(path, name, mode)
+    found: dict[str, Path] = {}
+    folders = [(path, name)]
+    while folders:
+        folder, shown = folders.pop()
+        with os.scandir(folder) as entries:
+            for entry in sorted(entries, key=lambda e: e.name):
+                mode = entry.stat(follow_symlinks=False).st_mode
+                here = f"{shown}/{entry.name}"
+                if stat.S_ISDIR(mode):
+                    folders.append((Path(entry.path), here))
+                elif stat.S_ISREG(mode):
+                    found[here] = Path(entry.path)
+                else:
+                    return {}, _not_regular(Path(entry.path), here, mode)
+    return found, None
+
+
+def _index_problem(found: dict[str, Path]) -> str | None:
+    """A weight index (`*.index.json`, weight_map) may name only plain files of its own folder, that are
+    there: a peer's `../../it/model/model.safetensors` would make the merge read this cluster's own model."""
+    for relative, file in found.items():
+        if not relative.endswith(".index.json"):
+            continue
+        folder = relative.rpartition("/")[0]
+        try:
+            names = set(json.loads(file.read_text()).get("weight_map", {}).values())
+        except (ValueError, UnicodeDecodeError, AttributeError) as error:
+            return f"{relative}: not a weight index ({error})"
+        for value in sorted(map(str, names)):
+            if "/" in value or "\\" in value or value in ("", ".", "..") or f"{folder}/{value}" not in found:
+                return (
+                    f"{relative}: weight_map names {value!r}, which is not a file of its own folder: refused"
+                )
+    return None
+
+
 def verify(path: Path, sums: dict[str, str], name: str) -> str | None:
     """Why the copy at `path` (standing for `name`, as the marker names it) differs from the marker's
-    list, or None when every file is there with its sha256 and there is nothing else."""
-    if path.is_dir():
-        found = {f"{name}/{p.relative_to(path).as_posix()}": p for p in path.rglob("*") if p.is_file()}
-    else:
-        found = {name: path} if path.exists() else {}
+    list, or None when every file is there with its sha256 and there is nothing else. Only regular files
+    and folders are taken: a link (to a file or a folder), a FIFO or a device anywhere is refused by name."""
+    found, problem = regular_files(path, name)
+    if problem:
+        return problem
     missing = sorted(set(sums) - set(found))
     extra = sorted(set(found) - set(sums))
     if missing or extra:
@@ -150,7 +273,42 @@ def verify(path: Path, sums: dict[str, str], name: str) -> str | None:
     for relative, digest in sums.items():
         if sha256_file(found[relative]) != digest:
             return f"{relative}: sha256 differs from the marker's"
+    return _index_problem(found)
+
+
+def _recorded_start(folder: Path) -> str | None:
+    """The start identity a model folder says it was made from: a site model's training.json `start`, an
+    aggregate's aggregate.json `start_identity` (fedtune.core.exchange.origin, aggregate.merge)."""
+    for name, get in (
+        ("training.json", lambda r: (r.get("start") or {}).get("identity")),
+        ("aggregate.json", lambda r: r.get("start_identity")),
+    ):
+        try:
+            record = json.loads((folder / name).read_text())
+            value = get(record) if isinstance(record, dict) else None
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(value, str):
+            return value
     return None
+
+
+def stale(copy: Path, start: Path | None) -> str | None:
+    """Why the model at `copy` is not its round's current one: it says it was made from another start
+    than `start`, the round's start model here (a copy left from before its maker re-made the round's
+    start, or its own round). None when it matches, or says nothing (an older fedtune)."""
+    if start is None or not copy.is_dir() or not Path(start).is_dir():
+        return None
+    recorded = _recorded_start(copy)
+    if recorded is None:
+        return None
+    expected = model_identity(start)
+    if recorded == expected:
+        return None
+    return (
+        f"a stale copy: made from start model {recorded[:12]}, but this round's start here ({start}) is "
+        f"{expected[:12]}; waiting for its maker to publish the one made from this start"
+    )
 
 
 @dataclass(frozen=True)
@@ -253,9 +411,15 @@ REASONS = (
         "the connection went silent (ssh's ServerAliveInterval gave up)",
     ),
     (
-        ("restricted directory does not exist",),
-        "the folder its key is confined to (rrsync) is not there yet: the run's exchange folder, "
-        "which that cluster's controller makes with its first transfer job",
+        ("restricted directory does not exist", "the folder this key is confined to does not exist"),
+        "the folder its key is confined to (rrsync, fedtune-rsync-gate) is not there yet: the run's "
+        "exchange/outbox or exchange/inbox folder, which that cluster's controller makes with its first "
+        "transfer job",
+    ),
+    (
+        ("fedtune-rsync-gate",),
+        "the restricted key (fedtune-rsync-gate) refused the request: is it a path under the run's "
+        "exchange/outbox (to pull) or exchange/inbox (to push)?",
     ),
     (
         ("rrsync",),
@@ -266,9 +430,12 @@ REASONS = (
 
 
 def _missing_behind_rrsync(result: Outcome) -> bool:
-    """A missing source seen through a restricted key: rrsync stops before rsync would say 23."""
+    """A missing source seen through a restricted key: rrsync stops before rsync would say 23, and
+    fedtune-rsync-gate while the folder it confines the key to is not made yet."""
     text = result.stderr.lower()
-    return "rrsync" in text and "no such file or directory" in text
+    return ("rrsync" in text and "no such file or directory" in text) or (
+        "fedtune-rsync-gate: the folder this key is confined to does not exist" in text
+    )
 
 
 def _said(result: Outcome, spec: str = "", link: Link = Link()) -> str:
@@ -354,13 +521,24 @@ def _name(source: str) -> str:
     return source.rsplit("/", 1)[-1].rsplit(":", 1)[-1]
 
 
+def _skipped(result: Outcome) -> str | None:
+    """What rsync left out because it is not a regular file or folder (a link, a FIFO, a device: COPY
+    takes none), as a refusal naming it."""
+    for line in (result.stdout + result.stderr).splitlines():
+        if line.startswith("skipping non-regular file"):
+            return f"the sender's copy holds something that is not a regular file or folder ({line.strip()}): refused"
+    return None
+
+
 def fetch(
     source: str, out: str | Path, *, wait: float = 0, label: str = "", check: str = "",
     rsync: str = "rsync", first: float = 2.0, most: float = 300.0, link: Link = Link(),
+    start: str | Path | None = None,
 ) -> Path:  # fmt: skip
     """Pull `source` (a folder or file another cluster marked complete) into `out`. A call that fails
     (no connection, login refused, a stall) is retried with backoff up to `wait`; a copy that fails
-    verification is fetched again at once, at most ATTEMPTS times."""
+    verification is fetched again at once, at most ATTEMPTS times. With `start` (the round's start model
+    here), a model made from another start is stale: deleted, and looked for again (stale)."""
     out = Path(out)
     if shutil.which(rsync) is None:
         raise TransferError(f"{rsync} not found: install rsync to fetch models from other clusters")
@@ -373,9 +551,11 @@ def fetch(
         local_marker = Path(scratch) / "marker"
 
         def look_for_marker() -> str | None:
-            result = _rsync("-a", source + MARKER, str(local_marker), rsync=rsync, link=link)
-            if result.returncode == 0:
+            result = _rsync(*COPY, source + MARKER, str(local_marker), rsync=rsync, link=link)
+            if result.returncode == 0 and local_marker.is_file() and not local_marker.is_symlink():
                 return None
+            if result.returncode == 0:
+                return f"{source + MARKER} is not a regular file ({_skipped(result) or 'nothing arrived'})"
             if result.returncode in NOT_THERE or _missing_behind_rrsync(result):
                 return f"no {source + MARKER} yet"
             return _said(result, source, link)
@@ -391,20 +571,35 @@ def fetch(
                 problem, arrived = None, False
                 try:
                     with atomic_dir(out) as tmp:
-                        result = _rsync("-a", f"{source}/", f"{tmp}/", rsync=rsync, link=link)
+                        result = _rsync(*COPY, f"{source}/", f"{tmp}/", rsync=rsync, link=link)
                         arrived = result.returncode == 0
-                        problem = verify(tmp, sums, _name(source)) if arrived else _said(result, source, link)
+                        problem = (
+                            (_skipped(result) or verify(tmp, sums, _name(source)))
+                            if arrived
+                            else _said(result, source, link)
+                        )
+                        if problem is None and (
+                            problem := stale(tmp, None if start is None else Path(start))
+                        ):
+                            arrived = False  # not damaged: not yet the current one; look again later
                         if problem:
                             raise _Retry  # atomic_dir deletes the copy
                 except _Retry:
                     pass
                 return problem, arrived
             tmp = out.with_name(f".{name}.tmp-file")
-            result = _rsync("-a", source, str(tmp), rsync=rsync, link=link)
+            result = _rsync(*COPY, source, str(tmp), rsync=rsync, link=link)
             arrived = result.returncode == 0
-            problem = verify(tmp, sums, _name(source)) if arrived else _said(result, source, link)
+            problem = (
+                (_skipped(result) or verify(tmp, sums, _name(source)))
+                if arrived
+                else _said(result, source, link)
+            )
             if problem:
-                tmp.unlink(missing_ok=True)
+                if tmp.is_dir() and not tmp.is_symlink():
+                    shutil.rmtree(tmp, ignore_errors=True)
+                else:
+                    tmp.unlink(missing_ok=True)
             else:
                 tmp.replace(out)
             return problem, arrived
@@ -431,22 +626,37 @@ def push(
     run: str | Path, item: str, to: str, *, wait: float = 0, label: str = "", check: str = "",
     rsync: str = "rsync", first: float = 2.0, most: float = 300.0, link: Link = Link(),
 ) -> str:  # fmt: skip
-    """Send run/item (marked complete here, or marked now) into `to`/exchange/inbox/item, marker last."""
+    """Send run/item (marked complete here, or marked now) into `to`/exchange/inbox/item, marker last. The
+    item's old marker there is withdrawn first, so that the receiver never takes a copy being replaced (or
+    a stale one) for the current one."""
     run = Path(run)
     local = run / item
     if not local.exists():
         raise TransferError(f"{local} does not exist: nothing to push")
     text = marker_text(local)
     inbox = f"{to.rstrip('/')}/{INBOX}/"
+    parent = item.rpartition("/")[0]
     # --relative with /./ recreates item's folders under the inbox (rsync makes only the last level).
-    args = ["-a", "--relative", "--delete", f"{run}/./{item}"]
+    args = [*COPY, "--relative", "--delete", f"{run}/./{item}"]
     if local.is_dir():
         args[-1] += "/"
     waiter = Waiter(wait, label or f"{to} to take {item}", first=first, most=most)
     pushed = ""
 
+    def withdraw() -> Outcome:
+        """Delete inbox/<item>.COMPLETE there and nothing else: an empty folder synced with --delete, every
+        other name of the item's folder excluded (so kept)."""
+        with tempfile.TemporaryDirectory() as scratch:
+            (Path(scratch) / parent).mkdir(parents=True, exist_ok=True)
+            keep = f"/{parent}/*" if parent else "/*"
+            return _rsync("-r", "--relative", "--delete", f"--include=/{item}{MARKER}", f"--exclude={keep}",
+                          f"{scratch}/./{parent}{'/' if parent else ''}", inbox, rsync=rsync, link=link)  # fmt: skip
+
     def send() -> str | None:
         nonlocal pushed
+        result = withdraw()
+        if result.returncode:
+            return _said(result, to, link)
         result = _rsync(*args, inbox, rsync=rsync, link=link)
         if result.returncode:
             return _said(result, to, link)
@@ -460,7 +670,7 @@ def push(
             marker = marker.with_name(marker.name + MARKER)
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.write_text(text)
-            result = _rsync("-a", "--relative", f"{scratch}/./{item}{MARKER}", inbox, rsync=rsync, link=link)
+            result = _rsync(*COPY, "--relative", f"{scratch}/./{item}{MARKER}", inbox, rsync=rsync, link=link)
         if result.returncode:
             return _said(result, to, link)
         pushed = inbox + item
@@ -471,46 +681,168 @@ def push(
     return pushed
 
 
+class _NotRegular(Exception):
+    """Something on the way to a received file that is not a folder or a regular file."""
+
+
+def _open_below(base: Path, relative: str) -> int:
+    """A descriptor of the regular file base/relative, opened one folder at a time without following any
+    link (O_NOFOLLOW at every level: a link swapped in after the walk is refused, not followed) and
+    without blocking on a FIFO."""
+    fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
+    parts = relative.split("/")
+    try:
+        for part in parts[:-1]:
+            try:
+                child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            except OSError as error:
+                if error.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise _NotRegular(f"{relative}: {part} is not a folder (a link?): refused") from None
+                raise
+            os.close(fd)
+            fd = child
+        try:
+            file = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
+        except OSError as error:
+            if error.errno == errno.ELOOP:
+                raise _NotRegular(f"{relative}: a symbolic link, not a regular file: refused") from None
+            raise
+        mode = os.fstat(file).st_mode
+        if not stat.S_ISREG(mode):
+            os.close(file)
+            raise _NotRegular(f"{relative}: {_kind(mode)}, not a regular file: refused")
+        return file
+    finally:
+        os.close(fd)
+
+
+def _read_below(base: Path, relative: str) -> str:
+    fd = _open_below(base, relative)
+    with os.fdopen(fd, "rb") as f:
+        return f.read().decode("utf-8", errors="replace")
+
+
+def _copy_out(
+    inbox: Path, item: str, sums: dict[str, str], out: Path, start: Path | None = None
+) -> str | None:
+    """Copy inbox/item to `out` (regular files only, each opened without following links), verify the
+    copy against `sums` (and with `start`, that it is not stale) and rename it into place; or why not
+    (nothing is left under `out` then)."""
+    staged = inbox / item
+    parent = item.rpartition("/")[0]
+    below = f"{parent}/" if parent else ""
+    found, problem = regular_files(staged, staged.name)
+    if problem:
+        return problem
+    extra = sorted(set(found) - set(sums))
+    missing = sorted(set(sums) - set(found))
+    if missing or extra:
+        return f"files missing {missing[:3]} or not in the marker {extra[:3]}"
+    problem = None
+    try:
+        if stat.S_ISDIR(os.lstat(staged).st_mode):
+            with atomic_dir(out) as tmp:
+                for relative in sorted(found):
+                    target = tmp / relative.partition("/")[2]
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    fd = _open_below(inbox, below + relative)
+                    try:
+                        clone_or_copy(fd, target)
+                    finally:
+                        os.close(fd)
+                if problem := verify(tmp, sums, staged.name) or stale(tmp, start):
+                    raise _Retry
+        else:
+            tmp = out.with_name(f".{out.name}.tmp-received")
+            tmp.unlink(missing_ok=True)
+            fd = _open_below(inbox, item)
+            try:
+                clone_or_copy(fd, tmp)
+            finally:
+                os.close(fd)
+            if problem := verify(tmp, sums, staged.name):
+                tmp.unlink(missing_ok=True)
+                return problem
+            tmp.replace(out)
+    except _Retry:
+        return problem
+    except _NotRegular as error:
+        return str(error)
+    return None
+
+
 def receive(
     run: str | Path, item: str, out: str | Path, *, wait: float = 0, label: str = "", check: str = "",
-    first: float = 2.0, most: float = 300.0,
+    first: float = 2.0, most: float = 300.0, maker: str = "", here: str = "", start: str | Path | None = None,
 ) -> Path:  # fmt: skip
-    """Wait for `item` pushed into run/exchange/inbox by its maker, verify it, and move it to `out`."""
-    staged = Path(run) / INBOX / item
+    """Wait for `item` pushed into run/exchange/inbox by its maker, copy it to `out` and verify the copy.
+    The inbox item stays (until a new push replaces it): a deleted `out` is received again from it, without
+    the sender. A copy that fails verification is deleted from the inbox; the wait goes on for a new push."""
+    inbox = Path(run) / INBOX
+    staged = inbox / item
     # The inbox exists from the first wait on, so that the first push (which makes only the last
     # level of its destination, and through a restricted key nothing outside it) finds it.
-    (Path(run) / INBOX).mkdir(parents=True, exist_ok=True)
+    inbox.mkdir(parents=True, exist_ok=True)
     marker = marker_path(staged)
     out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale(out)
     waiter = Waiter(wait, label or str(staged), first=first, most=most)
     rejected = ""
+    receipt = f"{run}/sent/{here or '<this cluster>'}/{item}{MARKER}"
+    again = (
+        f"If {maker or 'its maker'} pushed it already and the inbox copy is gone, delete the receipt {receipt} "
+        f"on {maker or 'its maker'} and run its controller again: its push job sends the item again."
+    )
+    check = f"{check} {again}".strip()
 
     def look() -> str | None:
         nonlocal rejected
-        if not marker.is_file():
+        try:
+            text = _read_below(inbox, f"{item}{MARKER}")
+        except FileNotFoundError:
             earlier = (
                 f"; an earlier copy failed verification ({rejected}) and was deleted" if rejected else ""
             )
             return f"no {marker} yet{earlier}"
-        problem = verify(staged, parse_marker(marker.read_text(), str(marker)), staged.name)
-        if problem:
-            rejected = problem
-            marker.unlink(missing_ok=True)
-            if staged.is_dir():
-                shutil.rmtree(staged, ignore_errors=True)
-            else:
-                staged.unlink(missing_ok=True)
-            return f"the copy failed verification ({problem}); deleted, waiting for it to be sent again"
-        return None
+        except _NotRegular as error:
+            text, problem = "", str(error)
+        else:
+            problem = _copy_out(inbox, item, parse_marker(text, str(marker)), out, start and Path(start))
+        if problem is None:
+            return None
+        if problem.startswith("a stale copy"):
+            return problem  # complete, but not this round's: its maker's next push replaces it
+        try:
+            still = _read_below(inbox, f"{item}{MARKER}") == text
+        except (OSError, _NotRegular):
+            still = not text
+        if not still:  # the sender is replacing it (push withdraws the marker first)
+            return f"{marker} changed while it was copied: a new push is under way"
+        rejected = problem
+        _remove(marker)
+        _remove(staged)
+        return f"the copy failed verification ({problem}); deleted, waiting for it to be sent again"
 
     _wait_for(look, waiter, f"{marker} never appeared", check)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if out.is_dir():
-        shutil.rmtree(out)
-    os.replace(staged, out)
-    marker.unlink()
-    print(f"[transfer] received {staged} -> {out}, every file checked against its sha256", file=sys.stderr)
+    print(
+        f"[transfer] received {staged} -> {out} (a copy: the inbox keeps it), every file checked against its"
+        " sha256",
+        file=sys.stderr,
+    )
     return out
+
+
+def _remove(path: Path) -> None:
+    """Delete a file, link or folder without following links."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(mode):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _wait_options(parser) -> None:
@@ -584,7 +916,9 @@ def main(argv=None) -> int:
         "--out", default=None, help="the marker's path (the workflow's output); default beside"
     )
     marking.add_argument(
-        "--outbox", default=None, help="also publish it there, as hard links, its marker last"
+        "--outbox",
+        default=None,
+        help="also publish it there, as a copy (a reflink where possible), its marker last",
     )
     fetching = commands.add_parser("fetch", help="pull a marked folder or file from another cluster")
     fetching.add_argument("--source", required=True, help="rsync source: a folder or a file")
@@ -603,6 +937,15 @@ def main(argv=None) -> int:
     receiving.add_argument("--item", required=True, help="the path inside the run folder")
     cli.add_out(receiving, "the output")
     _wait_options(receiving)
+    for waiting in (fetching, receiving):
+        waiting.add_argument(
+            "--here", default="", help="this cluster's name, for the command that brings a lost item back"
+        )
+        waiting.add_argument(
+            "--start",
+            default=None,
+            help="the round's start model here: a model made from another start is stale, and waited for",
+        )
     args = parser.parse_args(argv)
 
     if args.command == "mark":
@@ -615,13 +958,13 @@ def main(argv=None) -> int:
     most = args.poll_max if args.poll_max is not None else max(2.0, min(300.0, wait / 100))
     common = dict(wait=wait, label=_label(args), check=args.check, first=args.poll, most=most)
     if args.command == "fetch":
-        fetch(args.source, args.out, **common, link=_link(args))
+        fetch(args.source, args.out, **common, link=_link(args), start=args.start)
     elif args.command == "push":
         pushed = push(args.run, args.item, args.to, **common, link=_link(args))
         if args.receipt:
             write_text(args.receipt, pushed + "\n")
     else:
-        receive(args.run, args.item, args.out, **common)
+        receive(args.run, args.item, args.out, **common, maker=args.remote, here=args.here, start=args.start)
     return 0
 
 

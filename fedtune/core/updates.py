@@ -34,6 +34,7 @@ from fedtune.core.exchange import (
     Rebuilder,
     TensorEntry,
     UpdateHeader,
+    check_parts,
     check_start,
     encode,
     encoding_for,
@@ -227,7 +228,9 @@ def decode_folder(
     header = read_header(update_dir, label)
     check_start(header, start_dir, label, update_dir)
     update = read_weights("update", update_dir, label)
+    check_parts(header, update.tensors, label, update_dir)
     start = read_weights("start", start_dir, f"the start model {start_dir}")
+    _check_header_fits(header, start, label, update_dir)
     tensors = [
         OutTensor(name, ST_DTYPES[entry.dtype], entry.shape, torch.Size(entry.shape).numel())
         for name, entry in header.tensors.items()
@@ -261,6 +264,28 @@ def decode_folder(
         _copy_small_files(update_dir, tmp)
     _log(f"{label}: rebuilt {out_dir} from {update_dir} and {start_dir}")
     return record
+
+
+def _check_header_fits(header: UpdateHeader, start: WeightFolder, label: str, folder: Path) -> None:
+    """The update's tensors are the start model's: the same names and shapes, and a float tensor where the
+    start holds one (the model's float dtype may differ from the start's: a hub model in fp16)."""
+    problems = [
+        f"{name} missing from the start model" for name in header.tensors if name not in start.tensors
+    ]
+    problems += [f"{name} missing from the update" for name in start.tensors if name not in header.tensors]
+    for name, entry in header.tensors.items():
+        info = start.tensors.get(name)
+        if info is None:
+            continue
+        floats = ST_DTYPES[entry.dtype].is_floating_point and ST_DTYPES[info.dtype].is_floating_point
+        if tuple(entry.shape) != tuple(info.shape) or (entry.dtype != info.dtype and not floats):
+            problems.append(
+                f"{name} {entry.dtype} {list(entry.shape)} against {info.dtype} {list(info.shape)}"
+            )
+    if problems:
+        raise ExchangeError(
+            f"{label}: the update {folder} does not fit the start model {start.path}: {'; '.join(problems[:8])}"
+        )
 
 
 def _suffixes(update: WeightFolder, name: str) -> list[str]:

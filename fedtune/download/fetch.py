@@ -25,9 +25,11 @@ import math
 import os
 import shutil
 import sys
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+from urllib.parse import quote
 
 from fedtune.core import checksums, cli
+from fedtune.core import data_files as data_file_checks
 from fedtune.core.atomic import atomic_dir, write_json
 from fedtune.core.config import (
     CAUSAL_LM,
@@ -68,7 +70,9 @@ def load_splits(options: DatasetOptions, num_labels: int | None = None, keep: tu
     keep = tuple(split for split in SPLITS if split in keep)
     # A test split carved from a hub data set's train split is drawn from all of it, which must then be
     # downloaded anyway: once, into datasets' cache, rather than streamed through twice.
-    carved_from_hub = options.source == "hf" and options.splits["test"] is None
+    carved_from_hub = options.source == "hf" and (
+        options.splits["test"] is None if options.data_files is None else "test" not in options.data_files
+    )
     streamed = options.max_documents is not None and not carved_from_hub
     loaded, names, label = _open(options, streamed)
     if names["test"] is None:
@@ -105,6 +109,13 @@ def _open(options: DatasetOptions, streaming: bool):
                     raise DownloadError(
                         f"dataset.data_files.{split}: {file} is empty: the {split} split holds no documents"
                     )
+        # Files small enough for the dry run were checked there (options.check); the rest here.
+        if not data_file_checks.cheap([f for files in options.data_files.values() for f in files]):
+            for split, files in options.data_files.items():
+                for file in files:
+                    problem = data_file_checks.first_problem(file, options.loader, options.max_documents)
+                    if problem:
+                        raise DownloadError(f"dataset.data_files.{split}: {problem}")
         files = {split: list(paths) for split, paths in options.data_files.items()}
         loaded = load_dataset(options.loader, data_files=files, streaming=streaming)
         return (
@@ -112,13 +123,20 @@ def _open(options: DatasetOptions, streaming: bool):
             {"train": "train", "test": "test" if "test" in files else None},
             ", ".join(files["train"]),
         )
+    if options.data_files is not None:
+        return _open_repo_files(options, streaming)
     # datasets caches a local folder's configs by folder name and config name alone, so edited files
     # would load as the old rows: a local folder is always read afresh (it costs one local read; a stream
     # has no cache).
     fresh = {"download_mode": "force_redownload"} if Path(options.name).is_dir() and not streaming else {}
-    loaded = load_dataset(
-        options.name, options.config, revision=options.revision, streaming=streaming, **fresh
-    )
+    try:
+        loaded = load_dataset(
+            options.name, options.config, revision=options.revision, streaming=streaming, **fresh
+        )
+    except RuntimeError as error:
+        if SCRIPT_REFUSED not in str(error):
+            raise
+        loaded = _open_parquet_export(options, streaming, error)
     names = options.splits
     for split in (names["train"], names["test"]):
         if split is not None and split not in loaded:
@@ -126,6 +144,99 @@ def _open(options: DatasetOptions, streaming: bool):
                 f"{options.name}: dataset.splits names split {split!r}, but the dataset has {sorted(loaded)}"
             )
     return loaded, names, options.name
+
+
+# A hub data set read by a loading script (`<name>.py`): datasets 4.0 removed scripts, and 5.x raises this.
+SCRIPT_REFUSED = "Dataset scripts are no longer supported"
+# The hub's Parquet export of a data set (the refs/convert/parquet branch: <config>/<split>/NNNN.parquet,
+# or <config>/partial-<split>/ for a large split the hub converted only in part).
+PARQUET_EXPORT = "hf://datasets/{name}@refs%2Fconvert%2Fparquet"
+# Data files a script-based repository may hold, named in the error that asks for data_files.
+DATA_SUFFIXES = (".json", ".jsonl", ".txt", ".parquet", ".csv")
+
+
+def _repo_root(options: DatasetOptions) -> str:
+    """Where dataset.data_files of a hub data set are: a local folder (a mirror of the repository's
+    layout), else the repository at its revision on the hub (hf://, the revision quoted: refs/pr/1)."""
+    if Path(options.name).is_dir():
+        return str(Path(options.name).resolve())
+    return f"hf://datasets/{options.name}@{quote(options.revision or 'main', safe='')}"
+
+
+def _open_repo_files(options: DatasetOptions, streaming: bool):
+    """A hub data set's files named in dataset.data_files (fedtune's splits train and test), read with
+    the format's own loader: no loading script, no configs. What a script-based data set needs."""
+    from datasets import load_dataset
+
+    root = _repo_root(options)
+    files = {split: [f"{root}/{path}" for path in paths] for split, paths in options.data_files.items()}
+    try:
+        loaded = load_dataset(options.loader, data_files=files, streaming=streaming)
+    except FileNotFoundError as error:
+        raise DownloadError(
+            f"{options.name}: dataset.data_files: no file matches in {root}: {error}"
+        ) from None
+    label = f"{options.name} ({', '.join(path for paths in options.data_files.values() for path in paths)})"
+    return loaded, {"train": "train", "test": "test" if "test" in files else None}, label
+
+
+def _open_parquet_export(options: DatasetOptions, streaming: bool, refused: Exception):
+    """A script-based hub data set from the hub's Parquet export of its config: the splits named in
+    dataset.splits. Where the hub has no export of them, a DownloadError naming the repository's data
+    files, to be named in dataset.data_files."""
+    import fsspec
+    from datasets import load_dataset
+
+    config = options.config or "default"
+    root = PARQUET_EXPORT.format(name=options.name)
+    files, missing, problems = {}, [], []
+    for split in dict.fromkeys(name for name in options.splits.values() if name is not None):
+        found = []
+        for folder in (split, f"partial-{split}"):
+            try:
+                fs, path = fsspec.core.url_to_fs(f"{root}/{config}/{folder}")
+                found = sorted(fs.glob(f"{path}/*.parquet"))
+            except FileNotFoundError:
+                found = []
+            except Exception as error:  # noqa: BLE001 - not there or not reachable: said below
+                found, problems = [], [*problems, f"{type(error).__name__}: {error}"]
+            if found:
+                if folder != split:
+                    print(f"{options.name}: the hub converted only part of split {split!r} to Parquet")
+                files[split] = [fs.unstrip_protocol(name) for name in found]
+                break
+        if not found:
+            missing.append(split)
+    if missing:
+        raise DownloadError(
+            f"{options.name}: a script-based data set (datasets says: {refused}); the hub has no Parquet "
+            f"export of config {config!r}, split(s) {missing}"
+            + (f" (or it could not be read: {problems[0]})" if problems else "")
+            + ". Name its data files in dataset.data_files "
+            f"(files of the repository, glob patterns allowed; config unset){_data_file_hint(options)}"
+        ) from None
+    print(f"{options.name}: a script-based data set: read from the hub's Parquet export ({root}/{config})")
+    return load_dataset("parquet", data_files=files, streaming=streaming)
+
+
+def _data_file_hint(options: DatasetOptions) -> str:
+    """Some of the repository's data files, for the error that asks for data_files ("" where they cannot
+    be listed)."""
+    import fsspec
+
+    try:
+        fs, path = fsspec.core.url_to_fs(_repo_root(options))
+        names = sorted(
+            str(PurePosixPath(name).relative_to(path))
+            for name in fs.find(path)
+            if any(suffix in PurePosixPath(name).name for suffix in DATA_SUFFIXES)
+        )
+    except Exception:  # noqa: BLE001 - a hint only: the error above says what to do
+        return ""
+    if not names:
+        return ""
+    shown = ", ".join(names[:4]) + (f", ... ({len(names)} files)" if len(names) > 4 else "")
+    return f"; the repository holds {shown}"
 
 
 def _carve_whole(train, options: DatasetOptions, keep: tuple[str, ...]) -> dict:

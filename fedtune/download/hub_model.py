@@ -55,9 +55,32 @@ def snapshot(name: str, revision: str | None, allow_pickle: bool = False) -> Pat
     snapshot (downloaded there first unless HF_HUB_OFFLINE is set and it is cached already)."""
     if Path(name).is_dir():
         return Path(name)
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
 
-    return Path(snapshot_download(name, revision=revision, allow_patterns=patterns(allow_pickle)))
+    try:
+        return Path(snapshot_download(name, revision=revision, allow_patterns=patterns(allow_pickle)))
+    except LocalEntryNotFoundError as error:
+        raise HubModelError(offline_message(name, revision, error, constants.HF_HUB_CACHE)) from error
+
+
+def offline_message(name: str, revision: str | None, error: BaseException, cache: str) -> str:
+    """One line for a hub model that is neither cached here nor reachable: the model, why (HF_HUB_OFFLINE,
+    or the connection's own error: this machine is offline), and what to do."""
+    import os
+
+    label = f"{name}@{revision}" if revision else name
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        why = "HF_HUB_OFFLINE is set, so this machine does not go online"
+    else:
+        cause = error.__cause__ or error.__context__
+        detail = " ".join(str(cause or error).split())
+        why = f"this machine cannot reach the hub, it is offline ({detail[:160]})"
+    return (
+        f"model.name: {label} is not in the Hugging Face cache here ({cache}), and {why}: run the download "
+        f"where the internet is reachable (a login node), or fetch it there with `hf download {name}` and "
+        "copy the cache (HF_HOME) here"
+    )
 
 
 def link_files(source: Path, dest: Path, allow_pickle: bool = False) -> list[str]:

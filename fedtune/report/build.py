@@ -143,17 +143,27 @@ def is_pooled(model: str) -> bool:
     return model == POOLED or model.startswith(f"{POOLED}-")
 
 
-# The yardsticks of the gap table: the pooled model at the run's settings, and the best of its lr sweep.
+# The yardsticks of the gap table: the pooled model at the run's settings, and the best of its lr sweep;
+# with federation.pooled_sync, the same two of the synchronous data-parallel pooled models
+# (pooled-sync-lr<f>x: M times the batch for a site's number of steps).
 YOUR_SETTINGS = "pooled at your settings"
 BEST_OF_SWEEP = "best pooled of the lr sweep"
+SYNC = f"{POOLED}-sync-"
+SYNC_YOUR_SETTINGS = "synchronous pooled at your settings"
+SYNC_BEST_OF_SWEEP = "best synchronous pooled of the lr sweep"
 GAP_KEYS = ["round", "model", "yardstick", "pooled_model", "pooled_lr", "pooled_embedding_lr_factor"]
 
 
-def best_pooled(table: pd.DataFrame, metrics: Metrics) -> str | None:
-    """The pooled model that does best over all sites: the lowest geometric mean perplexity (the
-    highest mean accuracy). None without a pooled model."""
+def is_sync(model: str) -> bool:
+    """A synchronous data-parallel pooled model (federation.pooled_sync: pooled-sync-lr1x, ...)."""
+    return model.startswith(SYNC)
+
+
+def best_pooled(table: pd.DataFrame, metrics: Metrics, *, sync: bool = False) -> str | None:
+    """The serial (`sync`: the synchronous data-parallel) pooled model that does best over all sites:
+    the lowest geometric mean perplexity (the highest mean accuracy). None without such a model."""
     sites = list(table.columns[2:])
-    pooled = table[table["model"].map(is_pooled)].dropna(subset=sites)
+    pooled = table[table["model"].map(lambda m: is_pooled(m) and is_sync(m) == sync)].dropna(subset=sites)
     if pooled.empty:
         return None
     values = pooled[sites].astype(float)
@@ -180,8 +190,19 @@ def gap_table(
     if pooled.empty:
         return pd.DataFrame(columns=[*GAP_KEYS, *sites])
     yardsticks = [(YOUR_SETTINGS, POOLED)]
-    if (table["model"].map(is_pooled) & (table["model"] != POOLED)).any():
+    serial = table["model"].map(lambda m: is_pooled(m) and not is_sync(m))
+    if (serial & (table["model"] != POOLED)).any():
         yardsticks.append((BEST_OF_SWEEP, best_pooled(table, metrics) or POOLED))
+    synchronous = [m for m in table["model"] if is_sync(m)]
+    if synchronous:
+        # At your settings: the one with the pooled model's lr and factor (pooled-sync-lr1x unless told).
+        yours = next((m for m in synchronous if POOLED in points and points.get(m) == points[POOLED]), None)
+        yours = yours or next((m for m in synchronous if m == f"{SYNC}lr1x"), None)
+        if yours:
+            yardsticks.append((SYNC_YOUR_SETTINGS, yours))
+        best = best_pooled(table, metrics, sync=True)
+        if best and (len(synchronous) > 1 or not yours):
+            yardsticks.append((SYNC_BEST_OF_SWEEP, best))
     merged = table[~table["model"].map(is_pooled) & ~table["model"].isin([BASE, *sites])]
     rows = []
     for _, row in merged.iterrows():
@@ -191,13 +212,28 @@ def gap_table(
             ratios = {}
             for site in sites:
                 value, best = row[site], reference[site]
-                if pd.isna(value) or pd.isna(best):
-                    ratios[site] = None
+                if pd.isna(value) or pd.isna(best) or math.isinf(best):
+                    ratios[site] = None  # not evaluated, or a diverged yardstick: no gap to state
+                elif math.isinf(value):
+                    ratios[site] = math.inf if metrics.lower_is_better else None  # diverged
                 else:
                     ratios[site] = value / best if metrics.lower_is_better else best / value
             keys = [row["round"], row["model"], yardstick, name, lr, factor]
             rows.append({**dict(zip(GAP_KEYS, keys, strict=True)), **ratios})
     return pd.DataFrame(rows, columns=[*GAP_KEYS, *sites])
+
+
+# gap.md's two yardsticks when the run trains both pooled models (federation.pooled_sync): what each
+# means to a user choosing between federating and pooling the data.
+SYNC_CAPTION = (
+    " Two pooled models, each with the federation's tokens. The serial one (pooled, pooled-lr<f>x) "
+    "trains at a site's batch, M times a site's sequential steps: what pooling the data on one site's "
+    "GPUs for M times the federation's wall time would give; a gap to it is the price of federating and "
+    "of training in parallel. The synchronous data-parallel one (pooled-sync-lr<f>x) trains M times a "
+    "site's batch for a site's number of steps: what pooling the data and training over every site's "
+    "GPUs at once, in the federation's wall time, would give; a gap to it is the price of federating "
+    "alone, the figure to weigh if the data could be pooled."
+)
 
 
 def gap_figure(gap: pd.DataFrame, path: Path) -> None:
@@ -217,6 +253,7 @@ def gap_figure(gap: pd.DataFrame, path: Path) -> None:
     ax.set_xlabel("round")
     ax.set_ylabel("gap to the pooled model (1 = as good)")
     ax.set_yscale("log")
+    plain_log_ticks(ax.yaxis)
     if len(gap):
         ax.set_xticks(sorted(set(gap["round"])))
     ax.legend(fontsize="small")
@@ -225,8 +262,14 @@ def gap_figure(gap: pd.DataFrame, path: Path) -> None:
     plt.close(fig)
 
 
+# The metrics where lower is better, whose non-finite values mean a diverged model.
+LOWER_IS_BETTER = {name for m in TASK_METRICS.values() if m.lower_is_better for name in (m.main, m.second)}
+
+
 def eval_table(results: Sequence[dict], metric: str) -> pd.DataFrame:
-    """Rows (round, model), columns the sites in order of first appearance; base is round 0."""
+    """Rows (round, model), columns the sites in order of first appearance; base is round 0. A diverged
+    model's perplexity (NaN or infinite) is infinity, which the tables print as "diverged"; a missing
+    result is NaN ("–")."""
     sites: list[str] = []
     rows: dict[tuple[int, str], dict[str, float]] = {}
     for r in results:
@@ -236,7 +279,10 @@ def eval_table(results: Sequence[dict], metric: str) -> pd.DataFrame:
         cell = rows.setdefault(key, {})
         if r["site"] in cell:
             raise ReportError(f"two results for model {r['model']} (round {r['round']}) on site {r['site']}")
-        cell[r["site"]] = r[metric]
+        value = r[metric]
+        if metric in LOWER_IS_BETTER and isinstance(value, int | float) and not math.isfinite(value):
+            value = math.inf  # diverged (NaN or infinite loss): shown as such, worse than any number
+        cell[r["site"]] = value
     keys = sorted(rows, key=lambda k: (k[0], *model_order(k[1], sites)))
     table = pd.DataFrame(
         [
@@ -350,10 +396,23 @@ def training_table(entries: Sequence[tuple[int, str, Path]]) -> pd.DataFrame:
     return table.sort_values(["round"], kind="stable").reset_index(drop=True)
 
 
+# A result that was computed and is not finite: a perplexity of NaN or infinity (eval_table stores both as
+# infinity), a gap to it. Distinct from "–": not evaluated, or nothing to say.
+DIVERGED = "diverged"
+
+
+MARKS = f" {DIVERGED}: a perplexity that is NaN or infinite (the model diverged); –: not evaluated."
+
+
 def _cell(value, digits: int) -> str:
     if value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value)):
         return "–"
+    if isinstance(value, float) and math.isinf(value):
+        return DIVERGED
     if isinstance(value, float):
+        if value and abs(value) < 0.5 * 10**-digits:
+            # Too small for `digits` decimals (a learning rate of 1e-4 would be "0.000"): significant digits.
+            return f"{value:.{max(digits, 2)}g}"
         return f"{value:,.{digits}f}"
     if isinstance(value, int):
         return f"{value:,}"
@@ -451,6 +510,35 @@ def _pyplot():
     return plt
 
 
+def plain_log_ticks(axis) -> None:
+    """Tick labels of a log axis as plain numbers (1, 1.5, 2, 3, 5, 10), never matplotlib's "3x10^0" of an
+    axis that spans less than a decade, nor "10^0": each decade labelled, and within an axis of at most
+    1.5 decades the 2, 3 and 5 of each decade too (and 1.5 within one decade; every tick where it spans
+    less than half a decade)."""
+    import math
+
+    from matplotlib.ticker import FuncFormatter, LogLocator
+
+    def plain(value, _position=None) -> str:
+        return f"{value:.3g}" if value > 0 else ""
+
+    def minor(value, _position=None) -> str:
+        low, high = sorted(axis.get_view_interval())
+        if value <= 0 or low <= 0:
+            return ""
+        decades = math.log10(high / low)
+        mantissa = round(value / 10 ** math.floor(math.log10(value) + 1e-9), 6)
+        labelled = (1.5, 2, 3, 5) if decades <= 1 else (2, 3, 5) if decades <= 1.5 else ()
+        if decades < 0.5 or mantissa in labelled:
+            return plain(value)
+        return ""
+
+    axis.set_major_locator(LogLocator(base=10))
+    axis.set_major_formatter(FuncFormatter(plain))
+    axis.set_minor_locator(LogLocator(base=10, subs=(1.5, *range(2, 10))))
+    axis.set_minor_formatter(FuncFormatter(minor))
+
+
 def heatmap(table: pd.DataFrame, path: Path, title: str, metrics: Metrics = TASK_METRICS[CAUSAL_LM]) -> None:
     import numpy as np
 
@@ -465,14 +553,17 @@ def heatmap(table: pd.DataFrame, path: Path, title: str, metrics: Metrics = TASK
     scale = np.log(values) if log else values
     shown = np.ma.masked_invalid(scale)
     image = ax.imshow(shown, cmap="viridis_r" if log else "viridis", aspect="auto")
+    finite = scale[np.isfinite(scale)]
+    middle = (finite.min() + finite.max()) / 2 if finite.size else 0.0
     for i in range(values.shape[0]):
         for j in range(values.shape[1]):
             if np.isfinite(values[i, j]):
-                middle = (np.nanmin(scale) + np.nanmax(scale)) / 2
                 dark = shown[i, j] > middle if log else shown[i, j] < middle
                 ax.text(
                     j, i, f"{values[i, j]:.2f}", ha="center", va="center", color="white" if dark else "black"
                 )
+            elif np.isinf(values[i, j]):
+                ax.text(j, i, DIVERGED, ha="center", va="center", color="black")
     ax.set_xticks(range(len(sites)), [f"{s} test" for s in sites])
     ax.set_yticks(range(len(labels)), labels)
     ax.set_title(title)
@@ -500,13 +591,14 @@ def rounds_figure(
     drawn: dict[str, dict[str, object]] = {"aggregate": {}, "pooled": {}}
     for k, site in enumerate(sites):
         color = f"C{k}"
-        points = [(0, base[site].iloc[0])] if len(base) and pd.notna(base[site].iloc[0]) else []
-        points += [(r, v) for r, v in zip(merged["round"], merged[site], strict=True) if pd.notna(v)]
+        points = [(0, base[site].iloc[0])] if len(base) and _finite(base[site].iloc[0]) else []
+        # A diverged round (infinite) is left out: the tables say "diverged".
+        points += [(r, v) for r, v in zip(merged["round"], merged[site], strict=True) if _finite(v)]
         if points:
             xs, ys = zip(*points, strict=True)
             ax.plot(xs, ys, marker="o", color=color, label=f"{site} test")
             drawn["aggregate"][site] = points
-        if len(pooled) and pd.notna(pooled[site].iloc[0]):
+        if len(pooled) and _finite(pooled[site].iloc[0]):
             value = float(pooled[site].iloc[0])
             ax.axhline(value, color=color, ls="--", lw=1, label=f"{site} test: pooled model")
             drawn["pooled"][site] = value
@@ -515,11 +607,16 @@ def rounds_figure(
     ax.set_ylabel(f"{metrics.main} of the aggregate")
     if metrics.lower_is_better:
         ax.set_yscale("log")
+        plain_log_ticks(ax.yaxis)
     ax.legend()
     ax.grid(alpha=0.3)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return drawn
+
+
+def _finite(value) -> bool:
+    return pd.notna(value) and math.isfinite(float(value))
 
 
 # Under the loss figure when a later round starts at full rate: why its first steps may spike.
@@ -580,6 +677,10 @@ def loss_figure(entries: Sequence[tuple[int, str, Path]], path: Path) -> str | N
         fig.text(0.01, 0.01, note, fontsize=7, wrap=True, va="bottom")
         fig.get_layout_engine().set(rect=(0, 0.12, 1, 0.88))
     ax.set_xlabel("optimizer step (rounds one after the other)")
+    # Steps are whole numbers: no tick at step 2.5 of a short run.
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("training loss")
     ax.grid(alpha=0.3)
     if curves:
@@ -647,7 +748,8 @@ def report(
     bold = {"bold_min" if metrics.lower_is_better else "bold_max": sites}
     text = (
         f"{metrics.title} of each model (rows) on each site's test split (columns); the {best} per column "
-        f"in bold. Round 0 is the base model.\n\n" + markdown(main, **bold)
+        f"in bold. Round 0 is the base model.{MARKS if metrics.lower_is_better else ''}\n\n"
+        + markdown(main, **bold)
     )
     if not metrics.lower_is_better:
         text += "\nMacro-F1 (the mean of the per-class F1 scores):\n\n" + markdown(second, **bold)
@@ -663,7 +765,12 @@ def report(
         html_page(
             f"{metrics.title} of each model on each site's test split",
             [
-                (f"{metrics.title}: the {best} per column in bold. Round 0 is the base model.", main, bold),
+                (
+                    f"{metrics.title}: the {best} per column in bold. Round 0 is the base model."
+                    + (MARKS if metrics.lower_is_better else ""),
+                    main,
+                    bold,
+                ),
                 (f"{second_title}:", second, bold),
             ],
         ),
@@ -703,7 +810,9 @@ def report(
             f"model's lr (federation.pooled_lr_factors) also the {BEST_OF_SWEEP} (the lowest geometric "
             "mean over the sites; pooled_lr is its lr): a pooled model at the sites' lr takes many more "
             "sequential steps than a site and may be under-trained there, so a gap below 1 against it "
-            "alone is no sign that federation beats pooling.\n\n"
+            "alone is no sign that federation beats pooling."
+            + (SYNC_CAPTION if gap["pooled_model"].map(is_sync).any() else "")
+            + "\n\n"
             + markdown(gap, digits={site: 2 for site in sites}),
         )
         gap_figure(gap, paths["gap_png"])

@@ -440,6 +440,8 @@ def _mean_metric(evals: Sequence[dict], model: str, rnd: int | None) -> tuple[st
     for metric in ("perplexity", "accuracy"):
         values = [e[metric] for e in chosen if e.get(metric) is not None]
         if values:
+            if metric == "perplexity" and not all(math.isfinite(v) for v in values):
+                return metric, math.inf  # a diverged site: the report prints "diverged"
             return metric, sum(values) / len(values)
     return None, None
 
@@ -472,11 +474,17 @@ def summary_table(
             {"model": name, "round": rnd, "tokens": tokens["pooled" if model == "pooled" else "federation"],
              "metric": metric, "value": value,
              "node_hours_training": _sum(trained["node_hours"]) if len(trained) else None,
-             "node_hours_total": total,
-             "value_per_node_hour": value / total if total else None}
+             "node_hours_total": total}
         )  # fmt: skip
+    # Each against the pooled baseline, which reads the right way whichever way the metric is better (a
+    # metric divided by node-hours would reward a higher perplexity).
+    pooled = next((row for row in rows if row["model"] == "pooled baseline"), None)
+    for row in rows:
+        row["value_vs_pooled"] = row["value"] / pooled["value"] if pooled and pooled["value"] else None
+        hours, pooled_hours = row["node_hours_total"], pooled and pooled["node_hours_total"]
+        row["node_hours_vs_pooled"] = hours / pooled_hours if hours is not None and pooled_hours else None
     columns = ["model", "round", "tokens", "metric", "value", "node_hours_training", "node_hours_total",
-               "value_per_node_hour"]  # fmt: skip
+               "value_vs_pooled", "node_hours_vs_pooled"]  # fmt: skip
     table = pd.DataFrame(rows, columns=columns)
     table["round"] = pd.to_numeric(table["round"]).astype("Int64")
     return table
@@ -503,7 +511,10 @@ def cost_figure(table: pd.DataFrame, path: Path) -> None:
     ax.set_ylabel("seconds (the round's jobs summed)")
     ax.set_xlabel("round, cluster (nh: node-hours)")
     if len(labels):
-        ax.legend(fontsize="small")
+        # Room above the tallest bar for its node-hours, and the legend outside the bars, to their right:
+        # inside, it covered the label of the last bar.
+        ax.set_ylim(0, max(bottom) * 1.12 or 1)
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
     else:
         ax.text(0.5, 0.5, "no job records", ha="center", va="center", transform=ax.transAxes)
     ax.grid(alpha=0.3, axis="y")
@@ -581,7 +592,9 @@ def cost_report(
     summary_note = (
         "The final metric (the mean over the sites' test splits) beside the node-hours spent: the federation's "
         "(its training alone, and everything this cluster ran) and the pooled baseline's, trained on the "
-        "same tokens. value_per_node_hour: the metric divided by all node-hours."
+        "same tokens. value_vs_pooled: the metric as a multiple of the pooled baseline's (1 is as good as "
+        "pooling; for a perplexity, above 1 is worse, for an accuracy, below 1); node_hours_vs_pooled: all "
+        "node-hours as a multiple of the pooled baseline's."
     )
     accounting_note = f"Slurm accounting {NOT_AVAILABLE}: {note}." if note else ""
     text = f"{COST_CAPTION}\n\n{accounting_note}\n\n" if accounting_note else f"{COST_CAPTION}\n\n"
@@ -593,7 +606,13 @@ def cost_report(
     )
     text += f"\n{summary_note}\n\n" + markdown(
         summary,
-        digits={"value": 3, "value_per_node_hour": 3, "node_hours_training": 4, "node_hours_total": 4},
+        digits={
+            "value": 3,
+            "value_vs_pooled": 3,
+            "node_hours_vs_pooled": 3,
+            "node_hours_training": 4,
+            "node_hours_total": 4,
+        },
     )
     write_text(paths["cost.md"], text)
     sections = [(f"{COST_CAPTION}\n{accounting_note}".strip(), table, {"digits": digits})]

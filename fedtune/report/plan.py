@@ -12,6 +12,7 @@ the downloaded base, model.architecture, a local folder or the Hugging Face cach
 from __future__ import annotations
 
 import math
+import os
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -37,6 +38,10 @@ class PlannedJob:
     gpus: int = 0  # GPUs per node (gres gpu:N)
     nodes: int = 1
     runtime_min: int = 0
+    partition: str | None = None  # slurm_partition
+    # The profile's jobs_per_user (no Slurm option): how many of a user's jobs the partition runs at once
+    # (Leonardo's lrd_all_serial: 4 of one core each, its per-user cap); 0: not capped that way.
+    per_user: int = 0
 
 
 def gpus_of(gres: object) -> int:
@@ -85,6 +90,8 @@ def planned_jobs(workflow, login_rules: set[str]) -> list[PlannedJob]:
                 gpus=gpus_of(resources.get("gres")),
                 nodes=int(resources.get("nodes") or 1),
                 runtime_min=int(resources.get("runtime") or 0),
+                partition=resources.get("slurm_partition"),
+                per_user=int(resources.get("jobs_per_user") or 0),
             )
         )
     return planned
@@ -148,7 +155,54 @@ def job_lines(jobs: list[PlannedJob], rounds: int) -> list[str]:
         )
     if others:
         lines.append(f"  GPU-hours of the other GPU jobs, at most: {_gpu_hours(others):,.0f}")
+    return lines + partition_lines(list(submitted.values()))
+
+
+# Clusters whose CPU jobs go where an environment variable says (the cluster profile reads it): its name,
+# default and the other choice. A GPU-only project may not use the site's CPU partition.
+CPU_PARTITION_SWITCHES = {
+    "karolina": ("FEDTUNE_KAROLINA_CPU_PARTITION", "qgpu", "qcpu"),
+    "meluxina": ("FEDTUNE_MELUXINA_CPU_PARTITION", "gpu", "cpu"),
+}
+
+
+def partition_lines(submitted: list[list[PlannedJob]]) -> list[str]:
+    """The Slurm jobs other than the trainings, per partition: how many, their job-hours at their time
+    limits (a group job's longest member) and GPU-hours; where the profile says the partition runs only
+    jobs_per_user of a user's jobs at once, the hours they take one batch after another."""
+    by_partition: dict[str, list[list[PlannedJob]]] = {}
+    for parts in submitted:
+        if parts[0].rule not in TRAIN_RULES:
+            by_partition.setdefault(parts[0].partition or "the default partition", []).append(parts)
+    lines = []
+    for partition, jobs in sorted(by_partition.items()):
+        hours = sum(max(p.runtime_min for p in parts) for parts in jobs) / 60
+        gpu_hours = sum(max(p.gpus * p.nodes * p.runtime_min for p in parts) for parts in jobs) / 60
+        rules = _counted(p.rule for parts in jobs for p in parts)
+        line = f"  on {partition}: {len(jobs)} Slurm jobs ({rules}), at most {hours:,.0f} job-hours"
+        line += f" ({gpu_hours:,.0f} GPU-hours)" if gpu_hours else ""
+        caps = [p.per_user for parts in jobs for p in parts if p.per_user]
+        if caps:
+            line += (
+                f"; it runs {min(caps)} of a user's jobs at a time: up to {hours / min(caps):,.0f} h"
+                " one after another"
+            )
+        lines.append(line)
     return lines
+
+
+def cpu_partition_line(cluster: str | None, environ: Mapping[str, str]) -> list[str]:
+    """Which CPU partition a cluster with a switch uses, and the other choice."""
+    if cluster not in CPU_PARTITION_SWITCHES:
+        return []
+    variable, default, other = CPU_PARTITION_SWITCHES[cluster]
+    chosen = environ.get(variable) or default
+    return [
+        f"  CPU jobs (tokenize, compress_update) on {chosen}: {variable}={chosen}"
+        + (" (the default: GPU node-hours, which every training project holds)" if chosen == default else "")
+        + f"; {other if chosen == default else default} is the other choice"
+        + (f" (needs {other} node-hours)" if chosen == default else "")
+    ]
 
 
 def config_job_lines(run: RunConfig, cluster: str) -> list[str]:
@@ -229,7 +283,14 @@ def scratch_parts(run: RunConfig, cluster: str | None, model_config: Mapping) ->
 
 
 def _count(n: int) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+    """A parameter count as a reader takes it in: 6.74B, 134.5M, 160k (not 0.2M, nor 0.0M), 950."""
+    if n >= 1e9:
+        return f"{n / 1e9:.2f}B"
+    if n >= 999_500:
+        return f"{n / 1e6:.1f}M"
+    if n >= 1e3:
+        return f"{n / 1e3:.3g}k" if n < 100_000 else f"{n / 1e3:.0f}k"
+    return str(n)
 
 
 def scratch_line(run: RunConfig, cluster: str | None, model_config: Mapping | None, origin: str) -> str:
@@ -266,7 +327,7 @@ def summary_lines(
         lines.append(f"{name}{role}:")
         if cluster == here:
             if slurm:
-                lines += job_lines(jobs, run.rounds)
+                lines += job_lines(jobs, run.rounds) + cpu_partition_line(cluster, os.environ)
             else:
                 lines.append(f"  {len(jobs)} jobs, all on this machine (no Slurm profile)")
         else:

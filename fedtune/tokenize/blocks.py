@@ -188,13 +188,29 @@ class BlockOrder:
 
 
 def manifest_shards(manifest_path: str | Path, split: str = "train") -> list[Path]:
-    """The shard folders a site's manifest lists for `split`, resolved against the manifest's folder."""
+    """The shard folders a site's manifest lists for `split`, resolved against the manifest's folder.
+
+    Each must lie inside that folder (data/<site>/ of the run, where tokenize writes them): a manifest
+    that names a path outside it (`../../other-site/train/shard-0`, `/data/elsewhere`, or a link that
+    leads out) is refused, so that an edited manifest cannot point training at other data on disk."""
     manifest_path = Path(manifest_path)
     if not manifest_path.is_file():
         raise DataError(f"{manifest_path}: manifest not found; run the tokenize stage first")
-    manifest = json.loads(manifest_path.read_text())
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{manifest_path}: not a valid manifest: {e}") from None
     try:
         shards = manifest["splits"][split]["shards"]
-    except KeyError:
+    except (KeyError, TypeError):
         raise DataError(f"{manifest_path}: no shard list for split {split!r}") from None
+    if not isinstance(shards, list) or not all(isinstance(shard, str) and shard for shard in shards):
+        raise DataError(f"{manifest_path}: splits.{split}.shards is not a list of shard folders")
+    root = manifest_path.parent.resolve()
+    for shard in shards:
+        if not (root / shard).resolve().is_relative_to(root):
+            raise DataError(
+                f"{manifest_path}: splits.{split}.shards names {shard!r}, which lies outside the manifest's "
+                f"folder {root}; refused (tokenize writes a site's shards beside its manifest)"
+            )
     return [manifest_path.parent / shard for shard in shards]

@@ -38,7 +38,7 @@ class Backend(Protocol):
         self, input_ids, labels, weight: float, last: bool, attention_mask=None
     ) -> torch.Tensor: ...
 
-    def step(self, lr: float) -> float | torch.Tensor: ...
+    def step(self, lr: float) -> float | torch.Tensor | None: ...
 
     def save(self, folder: Path) -> None: ...
 
@@ -221,10 +221,11 @@ class _TorchBackend:
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        finite = True
+        # A NaN or infinite norm is never stepped on (issue 47): fp16's loss scaler skips the step and
+        # halves its scale; bf16 and fp32 skip it and the train loop stops. Decided on the host (the loop
+        # reads the norm right after anyway).
+        finite = math.isfinite(float(norm))
         if self.scaler:
-            # fp16 only: whether to skip the step is decided on the host, a second sync per step.
-            finite = math.isfinite(float(norm))
             self.scaler.update(finite)
         if finite:
             self.optimizer.step()
@@ -341,7 +342,8 @@ class FSDPBackend(_TorchBackend):
 class DDPBackend(_TorchBackend):
     """sharding none: plain data parallelism with torch DDP. FSDP2 over groups of one would work too,
     but it all-reduces each layer's gradients with a blocking call, which on CPU (no streams) stalls
-    backward at every layer; DDP's bucketed all-reduce overlaps it (benchmarks/README.md, Training)."""
+    backward at every layer; DDP's bucketed all-reduce overlaps it
+    (benchmarks/results/training/2026-11-26.md)."""
 
     def __init__(self, model, options: TrainOptions, job: Job, accumulation: int):
         from torch.nn.parallel import DistributedDataParallel
@@ -455,15 +457,14 @@ class DeepSpeedBackend:
             self.engine.step()
         return loss.detach().float()
 
-    def step(self, lr: float) -> float:
+    def step(self, lr: float) -> float | None:
         set_lr(self.engine.basic_optimizer.param_groups, lr)
         if self.proximal:
             self.proximal.apply()
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
-        if norm is None:
-            return math.nan
-        return float(norm)
+        # None: the engine computes no norm (ZeRO-0); the loop logs NaN for it and checks nothing.
+        return None if norm is None else float(norm)
 
     def save(self, folder: Path) -> None:
         self.engine.save_checkpoint(

@@ -186,4 +186,11 @@ def load(folder: Path, backend, job) -> tuple[dict, str]:
 
 
 def remove_all(root: Path) -> None:
-    shutil.rmtree(root, ignore_errors=True)
+    """Remove the checkpoints (train.remove_checkpoints, after the export), complete or not. The export
+    record (fedtune.train.export_record: hard links, no disk while the model folder exists) and the
+    lock of the job still running (fedtune.train.job_lock) stay."""
+    if not root.is_dir():
+        return
+    for path in root.iterdir():
+        if NAME.match(path.name) or (path.name.startswith(".step-") and path.name.endswith(".tmp")):
+            shutil.rmtree(path, ignore_errors=True)

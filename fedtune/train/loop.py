@@ -15,9 +15,12 @@ a LoRA adapter (peft) trains on the frozen model and --out is a PEFT adapter fol
 (fedtune.core.adapters).
 
 Exit codes:
-    0   trained and exported to --out
-    2   a user error (options, data, launch variables); the message on stderr names what to fix
-    75  stopped by SIGUSR1 or SIGTERM after writing a checkpoint (EX_TEMPFAIL): run the same command
+    0   trained and exported to --out, or restored it from this job's export record (the same job run
+        again after its export: fedtune.train.export_record)
+    2   a user error (options, data, launch variables), a NaN or infinite loss or gradient norm (not
+        stepped on), or another live job training into --checkpoints (fedtune.train.job_lock); the
+        message on stderr names what to fix
+    75  stopped by SIGUSR1, SIGTERM or SIGINT after writing a checkpoint (EX_TEMPFAIL): run the same command
         again and it resumes from that checkpoint. scripts/launch requeues the Slurm job on it (or,
         where Slurm refuses the requeue, the rule retries).
 
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import sys
@@ -40,11 +44,11 @@ from typing import TYPE_CHECKING
 from fedtune.core import adapters, cli, token_counts, tracking
 from fedtune.core.atomic import atomic_dir, write_json, write_text
 from fedtune.core.checksums import SOURCE_RECORD
-from fedtune.core.config import CAUSAL_LM, CLASSIFICATION, ConfigError, TrackingOptions
+from fedtune.core.config import CAUSAL_LM, CLASSIFICATION, ConfigError, TrackingOptions, UserError
 from fedtune.core.models import load_model, load_tokenizer, save_model
 from fedtune.tokenize.blocks import BlockOrder, Blocks, manifest_shards, trained_tokens
 from fedtune.tokenize.shards import verify_shard
-from fedtune.train import checkpoint, distributed, loading
+from fedtune.train import checkpoint, distributed, export_record, job_lock, loading
 from fedtune.train.options import TrainOptions
 from fedtune.train.schedule import learning_rate
 
@@ -64,12 +68,15 @@ def say(line: str) -> None:
 
 
 class StopRequest:
-    """Remembers SIGUSR1 / SIGTERM (Slurm's warning before the time limit) until the end of the
-    current step, where all ranks agree to checkpoint and exit."""
+    """Remembers SIGUSR1 / SIGTERM (Slurm's warning before the time limit) and SIGINT (Ctrl-C in the
+    terminal of a local run, which reaches every process of its group) until the end of the current
+    step, where all ranks agree to checkpoint and exit 75: an interrupted run resumes where it stopped."""
+
+    SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
         self.signal: int | None = None
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
+        for sig in self.SIGNALS:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
@@ -125,12 +132,15 @@ class RoundPlan:
         return (self.round - 1) * steps
 
     def learning_rate(self, step: int, steps: int, options: TrainOptions) -> float:
-        """The rate of this round's step `step` (0-based) of `steps`."""
+        """The rate of this round's step `step` (0-based) of `steps`, with the round's ramp
+        (train.round_warmup_steps) over its first steps."""
+        round_step = step
         if self.lr_schedule == "continue":
             step, steps = self.first_step(steps) + step, self.rounds * steps
         return learning_rate(
             step, lr=options.lr, total_steps=steps, warmup_steps=options.warmup_steps,
             schedule=options.schedule, min_lr_ratio=options.min_lr_ratio,
+            round_step=round_step, round_warmup_steps=options.round_warmup_steps,
         )  # fmt: skip
 
 
@@ -299,9 +309,28 @@ def save_checkpoint(run: Setup, progress: TrainingProgress, started: float) -> N
         say(f"checkpoint {path}")
 
 
+class NonFiniteError(UserError, ArithmeticError):
+    """A step's loss or gradient norm was NaN or infinite (bf16, fp32): the optimizer did not step on it."""
+
+
+def check_finite(step: int, lr: float, loss: float, grad_norm: float | None = None) -> None:
+    """Stop on a non-finite loss (before the optimizer step) or gradient norm (whose step the backend
+    skipped: fedtune.train.backends; fp16's loss scaler skips such steps and goes on instead)."""
+    what = "loss" if not math.isfinite(loss) else "gradient norm" if grad_norm is not None else None
+    if what is None or (what == "gradient norm" and math.isfinite(grad_norm)):
+        return
+    raise NonFiniteError(
+        f"step {step}: the {what} is {loss if what == 'loss' else grad_norm} (lr {lr:.3e}); the optimizer "
+        f"did not step on it, and the training stops: the weights and checkpoints are those of the steps "
+        f"before. A diverging run: lower train.lr (or raise warmup_steps, set grad_clip), or check the "
+        f"site's data; the run resumes from its newest checkpoint"
+    )
+
+
 def train_step(run: Setup, step: int, lr: float, stop: StopRequest) -> tuple[float, float, int, bool]:
     """One optimizer step over the `global_batch` blocks at position `step` of the data order:
-    (loss, grad norm, target tokens, stop now)."""
+    (loss, grad norm, target tokens, stop now). A NaN or infinite loss or gradient norm raises
+    NonFiniteError without stepping the optimizer (bf16 and fp32; fp16's loss scaler skips the step)."""
     import torch
 
     blocks, order, job, backend = run.blocks, run.order, run.job, run.backend
@@ -319,27 +348,29 @@ def train_step(run: Setup, step: int, lr: float, stop: StopRequest) -> tuple[flo
             attention_mask=blocks.attention_mask(indices),
         )  # fmt: skip
         loss_sum += micro_loss.double() * n
-    grad_norm = backend.step(lr)
-    # One small all-reduce per step: the global loss, whether any rank was told to stop, and the
-    # gradient norm (rank 0's; every rank holds the same), so that the host waits for the device once.
+    # One small all-reduce per step, before the optimizer step: the global loss, which must be finite
+    # to step on, and whether any rank was told to stop.
     stopping = torch.tensor(float(stop.signal is not None), device=job.device)
-    totals = torch.stack([loss_sum, stopping, rank0_value(grad_norm, job)])
+    totals = torch.stack([loss_sum, stopping])
     torch.distributed.all_reduce(totals)
-    loss, stopped, norm = totals.tolist()
-    return loss / step_tokens, norm, step_tokens, stopped > 0
+    loss, stopped = totals.tolist()
+    loss /= step_tokens
+    if not math.isfinite(loss):
+        check_finite(step - run.first_step + 1, lr, loss)
+    # Every rank holds the same norm (FSDP's full tensor, DDP's replicas, DeepSpeed's global norm); a
+    # non-finite one was not stepped on (the backend skips it). DeepSpeed ZeRO-0 reports none.
+    reported = backend.step(lr)
+    norm = math.nan if reported is None else float(reported)
+    if reported is not None and run.options.precision != "fp16":
+        check_finite(step - run.first_step + 1, lr, loss, norm)
+    return loss, norm, step_tokens, stopped > 0
 
 
-def rank0_value(value, job):
-    """`value` (a float or a device scalar) as a float64 device scalar on rank 0, zero elsewhere: summed
-    over the ranks, rank 0's exactly, NaN and infinity included."""
-    import torch
-
-    if job.rank != 0:
-        return torch.zeros((), dtype=torch.float64, device=job.device)
-    return torch.as_tensor(value, device=job.device).to(torch.float64)
-
-
-def train(args: TrainJob, options: TrainOptions, plan: RoundPlan = RoundPlan()) -> int:
+def train(
+    args: TrainJob, options: TrainOptions, plan: RoundPlan = RoundPlan(), identity: dict | None = None
+) -> int:
+    """Train and export (0), or stop after a signal's checkpoint (75). With `identity` (the job's,
+    fedtune.train.export_record), rank 0 records the export for a rerun of the same job to restore."""
     import warnings
 
     # DeepSpeed calls these deprecated collectives on every step; one warning per call would bury the log.
@@ -370,7 +401,11 @@ def train(args: TrainJob, options: TrainOptions, plan: RoundPlan = RoundPlan()) 
     while progress.step < total:
         t0 = time.perf_counter()
         lr = plan.learning_rate(progress.step, total, options)
-        loss, grad_norm, step_tokens, stop_now = train_step(run, first + progress.step, lr, stop)
+        try:
+            loss, grad_norm, step_tokens, stop_now = train_step(run, first + progress.step, lr, stop)
+        except NonFiniteError:
+            checkpoint.wait()  # a periodic checkpoint still being written: finish it
+            raise
         progress.step += 1
         progress.tokens_trained += step_tokens
         step, dt, peak = progress.step, time.perf_counter() - t0, peak_memory_mb(job.device)
@@ -410,6 +445,12 @@ def train(args: TrainJob, options: TrainOptions, plan: RoundPlan = RoundPlan()) 
         # Collective: the site's optimizer state for its next round (federation.site_optimizer keep).
         run.backend.save_optimizer(args.optimizer_out)
     distributed.barrier()
+    if identity is not None and job.is_main:
+        # After every output is complete: a job killed before this line resumes at its last step and
+        # exports again.
+        kept = export_record.write(args, identity, record)
+        if kept is not None:
+            say(f"export recorded in {kept}: a rerun of this job restores it instead of training")
     if options.remove_checkpoints and job.is_main:
         checkpoint.remove_all(args.checkpoints)
     distributed.stop()
@@ -480,6 +521,11 @@ def export(run: Setup, progress: TrainingProgress, started: float) -> dict | Non
     if not run.job.is_main:
         return None
     record = summary(run, progress, started)
+    # The start model it trained from and this attempt, which cross with the model: the merge refuses a
+    # site model of another start than its round's (fedtune.aggregate.merge.check_same_start).
+    from fedtune.core.exchange import origin
+
+    record.update(origin(args.init))
     with atomic_dir(args.out) as tmp:
         tmp.chmod(0o755)
         if run.options.adapter and not args.summary_only:
@@ -540,6 +586,39 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
+def is_rank0() -> bool:
+    """Rank 0 of the job, before the process group exists (from the launcher's RANK)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def train_or_restore(job: TrainJob, options: TrainOptions, plan: RoundPlan) -> int:
+    """Restore this job's recorded export when one of the same identity is there (no process group,
+    no model loaded: every rank reads the same record and decides alike; rank 0 links the files back),
+    else train (fedtune.train.export_record)."""
+    is_main = is_rank0()
+    identity = export_record.job_identity(job, options, plan, int(os.environ.get("WORLD_SIZE", "1")))
+    record = export_record.matches(job.checkpoints, identity)
+    if record is not None:
+        if is_main:
+            export_record.restore(job, record)
+            by = f"Slurm job {record['slurm_job_id']}" if record.get("slurm_job_id") else record.get("host")
+            say(
+                f"restored {job.out} from {export_record.folder(job.checkpoints)}: exported "
+                f"{record['exported_at']} by {by} after {record['steps']} steps, with this job's inputs, "
+                "options and start; no step trained"
+            )
+        return 0
+    saved = export_record.read(job.checkpoints)
+    if saved is not None and is_main:
+        changed = export_record.differences(saved.get("identity", {}), identity)
+        say(
+            f"export record {export_record.folder(job.checkpoints)} is of another job ({', '.join(changed)} "
+            "differ): removed, training"
+        )
+        export_record.remove(job.checkpoints)
+    return train(job, options, plan, identity=identity)
+
+
 @cli.entry("fedtune.train.loop", offline=True)
 def main(argv=None) -> int:
     args = parse_args(argv)
@@ -547,7 +626,17 @@ def main(argv=None) -> int:
     if not 1 <= args.round <= options.rounds:
         raise ConfigError(f"--round: {args.round} is not in 1..{options.rounds} (the options' rounds)")
     plan = RoundPlan(args.round, options.rounds, options.lr_schedule)
-    code = train(TrainJob.from_args(args), options, plan)
+    job = TrainJob.from_args(args)
+    # Rank 0 holds the folder while this job trains or restores (fedtune.train.job_lock): a second job
+    # of the same training (a restarted controller's, while the first still runs) stops here, naming it.
+    lock = job_lock.JobLock(job.checkpoints, what=str(job.out)) if is_rank0() else None
+    if lock:
+        lock.acquire()
+    try:
+        code = train_or_restore(job, options, plan)
+    finally:
+        if lock:
+            lock.release()
     if code == EXIT_RETRY:
         marker = os.environ.get(RETRY_MARKER_ENV)
         if marker:

@@ -97,6 +97,7 @@ class TrainOptions(_Options):
     weight_decay: float
     betas: tuple[float, float]
     warmup_steps: int
+    round_warmup_steps: int
     schedule: str
     fedprox_mu: float
     grad_clip: float

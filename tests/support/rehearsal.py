@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -68,6 +71,54 @@ def controller(workdir: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+# What the rehearsal says when this machine has no sshd: it installs nothing itself (Debian's package also
+# starts a system-wide sshd where systemd runs).
+NO_SSHD = (
+    "rehearse: no sshd on this machine: the rehearsal starts its own on a free port (its keys made for it), "
+    "from Debian's openssh-server package. Install it, then run scripts/rehearse again:\n"
+    "  sudo apt-get install openssh-server\n"
+    "  sudo systemctl disable --now ssh    # where systemd runs: no system-wide sshd (the rehearsal needs none)\n"
+    "`scripts/rehearse --dry-run` needs no sshd."
+)
+
+
+def find_sshd() -> str | None:
+    return shutil.which("sshd") or next((p for p in ("/usr/sbin/sshd",) if Path(p).is_file()), None)
+
+
+STEPS_DONE = re.compile(r"^(\d+) of (\d+) steps \((\d+%)\) done", re.M)
+RULE = re.compile(r"^\s*(?:local)?rule (\w+):\n(?:\s+\S.*\n)*?\s+wildcards: (.*)$", re.M)
+
+
+def progress(cluster: str, log: str) -> str | None:
+    """One line on where a controller is, from its log (Snakemake's output): jobs done of all, and the
+    newest job started. None before it planned its jobs."""
+    done = STEPS_DONE.findall(log)
+    started = RULE.findall(log)
+    if not done and not started:
+        return None
+    line = f"{cluster}: {done[-1][0]} of {done[-1][1]} jobs done" if done else f"{cluster}: jobs started"
+    if started:
+        rule, wildcards = started[-1]
+        line += f"; latest: {rule} ({wildcards})"
+    return line
+
+
+def wait_showing_progress(processes: dict, logs: dict[str, Path], every: float = 5.0) -> None:
+    """Wait for the controllers, printing a line for a controller whenever its progress changes."""
+    said: dict[str, str | None] = {}
+    while True:
+        running = [c for c, p in processes.items() if p.poll() is None]
+        for cluster, path in logs.items():
+            line = progress(cluster, path.read_text(errors="replace")) if path.is_file() else None
+            if line and line != said.get(cluster):
+                print(f"{time.strftime('%H:%M:%S')} {line}", flush=True)
+                said[cluster] = line
+        if not running:
+            return
+        time.sleep(every)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scripts/rehearse", description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -89,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
                 return result.returncode
         return 0
 
+    if find_sshd() is None:
+        print(NO_SSHD, file=sys.stderr)
+        return 2
     from tests.ssh_harness import start_sshd, stop_sshd
 
     try:
@@ -104,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             processes[cluster] = subprocess.Popen(controller(workdir), cwd=workdir, env=env, stdout=log,
                                                   stderr=subprocess.STDOUT)  # fmt: skip
             print(f"{cluster}: controller started, log {workdir / 'controller.log'}", flush=True)
+        wait_showing_progress(processes, {c: folders[c] / "controller.log" for c in processes})
         failed = [c for c, p in processes.items() if p.wait() != 0]
     finally:
         stop_sshd(server)

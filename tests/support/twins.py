@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gzip
 import hashlib
 import json
 import random
@@ -190,6 +191,10 @@ class DatasetRecipe:
     splits: dict[str, int]  # split -> documents
     make: Callable[[str, int], list[dict]]  # (split, documents) -> rows
     labels: tuple[str, ...] = ()  # ClassLabel names of the `label` column
+    # The repository's own data files, for an example that names them in dataset.data_files (a
+    # script-based data set): split -> paths inside the repository; each split's rows are dealt over its
+    # files (json lines, gzipped as on the hub).
+    layout: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 def _rows(make_row: Callable[[random.Random, int], dict], name: str) -> Callable[[str, int], list[dict]]:
@@ -220,6 +225,12 @@ DATASETS = {
         ("tiny", "small", "medium"),
         {"train": 160, "validation": TEST_DOCUMENTS},
         _rows(italian_web, "clean_mc4_it"),
+        # As on the hub (the folder clean-mc4-it/, 1024 train and 8 validation shards): two train shards
+        # of the tiny config's 100, its one validation shard.
+        layout=(
+            ("train", tuple(f"clean-mc4-it/c4-it.tfrecord-{i:05d}-of-01024.json.gz" for i in range(2))),
+            ("validation", ("clean-mc4-it/c4-it-validation.tfrecord-00000-of-00008.json.gz",)),
+        ),
     ),
     "allenai/c4": DatasetRecipe(
         ("en", "cs"), {"train": 160, "validation": TEST_DOCUMENTS}, _rows(czech_web, "c4")
@@ -260,7 +271,8 @@ def dataset_folder(assets: Path, name: str) -> Path:
     datasets caches a folder with a `configs:` header under the folder's name and config alone (not its
     path, files or mtimes), so a folder whose content changed under the same name would load stale rows
     from HF_HOME."""
-    digest = hashlib.sha256(json.dumps(_splits(name), sort_keys=True).encode()).hexdigest()[:12]
+    content = [_splits(name), DATASETS[name].layout]
+    digest = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:12]
     return assets / "datasets" / f"{_slug(name)}-{digest}"
 
 
@@ -298,6 +310,12 @@ def build_dataset(name: str, assets: Path) -> Path:
             f"---\n{yaml.safe_dump(header, sort_keys=False)}---\n# Twin of {name}\n\nMade by scripts/twin.\n"
         )
         (tmp / "README.md").write_text(readme, encoding="utf-8")
+        for split, paths in recipe.layout:
+            rows = splits[split]
+            for index, path in enumerate(paths):
+                (tmp / path).parent.mkdir(parents=True, exist_ok=True)
+                lines = "".join(json.dumps(row) + "\n" for row in rows[index :: len(paths)])
+                (tmp / path).write_bytes(gzip.compress(lines.encode(), mtime=0))
     return out
 
 

@@ -34,7 +34,7 @@ if aggregates_here() and not ADAPTERS:
             CONTAINER
         resources:
             # Private memory: a few copies of the largest tensor in fp32 (under 4 GB for Llama-2-7B;
-            # benchmarks/README.md).
+            # benchmarks/results/aggregate/2026-11-26.md).
             mem_mb=4000,
             runtime=60,
         params:

@@ -27,6 +27,23 @@ try:
 except ConfigError as error:
     raise WorkflowError(f"invalid configuration: {error}") from None
 
+from fedtune.core.config import cluster_profile_problem, placeholder_problem
+
+CONFIG_SOURCE = " + ".join(map(str, workflow.configfiles)) or "config"
+# A dry run (-n): planned, nothing run. Known while this file loads (workflow.dryrun is not, yet).
+DRY_RUN = workflow.output_settings.dryrun
+# A config whose sites train on real clusters, without a cluster profile: refused, dry run included (its
+# plan would be every multi-node training on this machine), naming the twin that does run here.
+if problem := cluster_profile_problem(
+    RUN, Path(workflow.basedir) / "profiles", CONFIG_SOURCE
+):
+    raise WorkflowError(problem)
+# federation.site_steps tokens: measured by benchmarks/federation_yardstick.py, not yet planned here.
+from fedtune.core.config import site_steps_problem
+
+if problem := site_steps_problem(RUN, CONFIG_SOURCE):
+    raise WorkflowError(problem)
+
 
 # Software per rule, for --software-deployment-method conda or apptainer (a plain venv is the default).
 CONDA_ENV = "../../envs/fedtune.yaml"
@@ -658,6 +675,30 @@ def _evaluation_mem_mb(downloaded):
     return weights_mem_mb(base_model_dir(), dtype, model_config) or EVAL_MEM_MB_UNKNOWN
 
 
+@functools.cache
+def _exchange_mem_mb(downloaded):
+    """exchange_mem_mb for one state of the downloaded base, as _evaluation_mem_mb."""
+    from fedtune.aggregate.adapter_size import (
+        AdapterSizeError,
+        exchange_mem_mb,
+        known_model_config,
+    )
+
+    try:
+        model_config, _ = known_model_config(RUN, base_model_dir())
+        return exchange_mem_mb(model_config)
+    except (ImportError, AdapterSizeError):
+        return exchange_mem_mb(None)
+
+
+def exchange_mem_mb(wildcards=None):
+    """--mem of the exchange's compress and decode jobs: several fp32 copies of the largest tensor."""
+    downloaded = Path(base_model_dir(), "config.json")
+    return _exchange_mem_mb(
+        downloaded.stat().st_mtime_ns if downloaded.is_file() else None
+    )
+
+
 def evaluation_mem_mb(wildcards=None):
     downloaded = Path(base_model_dir(), "config.json")
     return _evaluation_mem_mb(
@@ -788,6 +829,26 @@ PUSH_TO = sorted(
     {receiver for _, maker, receiver, *_ in crossing_items() if maker == HERE}
     & {cluster for cluster in RUN.remotes if transfer_mode(cluster) == "push"}
 )
+# The clusters this one logs into: those it pushes to, and those it pulls from.
+LOGS_INTO = sorted(
+    set(PUSH_TO)
+    | {
+        maker
+        for _, maker, receiver, *_ in crossing_items()
+        if receiver == HERE and transfer_mode(HERE) == "pull"
+    }
+)
+# The examples' placeholder remote (me@login...:/scratch/project/dd-00-00/...) would fail only at the first
+# transfer, after round 1's training: a run refuses it at start; a dry run, which the examples must pass
+# unedited, says so.
+if HERE is not None and not workflow.remote_exec:
+    if problem := placeholder_problem(RUN, LOGS_INTO, CONFIG_SOURCE):
+        if not DRY_RUN:
+            raise WorkflowError(problem)
+        print(
+            f"fedtune: note: {problem}; the run will refuse to start until then",
+            file=sys.stderr,
+        )
 
 
 def sent_targets():
@@ -987,8 +1048,12 @@ def get_final_output(wildcards=None):
 # scripts/launch) first sources the cluster's environment file: the caches (HF_HOME, TORCH_EXTENSIONS_DIR,
 # TRITON_CACHE_DIR) go to the cluster's scratch, not to $HOME, whose quota is small on all four sites.
 CLUSTER_ENV = Path(workflow.basedir) / "scripts" / "clusters" / f"{HERE}.sh"
+# The prefix replaces Snakemake's own ("set -euo pipefail; "), so it starts with it: without pipefail a
+# `... | tee log` rule (the transfers) would exit 0 on failure (tests/test_transfer.py).
 if HERE is not None and CLUSTER_ENV.is_file():
-    shell.prefix(f"set +u; source {shlex.quote(str(CLUSTER_ENV))}; set -u; ")
+    shell.prefix(
+        f"set -euo pipefail; set +u; source {shlex.quote(str(CLUSTER_ENV))}; set -u; "
+    )
 
 # The conda environment's torch build per cluster (envs/README.md): the CUDA 12.6 build on the GPU clusters
 # (Iris's V100s need its sm_70 kernels; on the A100 sites it runs on any driver >= 525.60.13).

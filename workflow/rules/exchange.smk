@@ -25,8 +25,8 @@ if COMPRESSED:
         container:
             CONTAINER
         resources:
-            # A few copies of the largest tensor in fp32, as the merge.
-            mem_mb=4000,
+            # Several fp32 copies of the largest tensor (aggregate.adapter_size.exchange_mem_mb).
+            mem_mb=exchange_mem_mb,
             runtime=60,
         params:
             options=EXCHANGE.to_json(),
@@ -88,7 +88,7 @@ if COMPRESSED:
             container:
                 CONTAINER
             resources:
-                mem_mb=4000,
+                mem_mb=exchange_mem_mb,
                 runtime=60,
             params:
                 options=EXCHANGE.to_json(),

@@ -1,6 +1,10 @@
 # train: one job per (round, site), over the site's nodes. The job checkpoints into
 # round-<r>/<site>/checkpoints (not an output: Snakemake deletes the outputs of failed jobs), exits 75
-# after a checkpoint forced by SIGUSR1/SIGTERM, and a retry resumes from the newest checkpoint.
+# after a checkpoint forced by SIGUSR1/SIGTERM/SIGINT, and a retry resumes from the newest checkpoint.
+# After its export it links what it wrote into checkpoints/export/: Snakemake, which deletes a model it
+# holds incomplete (a controller killed while the job ran on), runs the job again and it restores the
+# export instead of training; a job started while another trains into the folder stops, naming it
+# (fedtune/train/export_record.py, job_lock.py; docs/reliability.md, Interruptions).
 # Conda but no container: under apptainer the whole shell, scripts/launch's srun included, would run
 # inside the image, which has no Slurm. Resources come from train_job_options (common.smk), so that
 # train_sweep (sweep.smk) and train_pooled reuse this rule with their own options.
@@ -24,7 +28,7 @@ rule train:
         round="1" if MERGES_IN_TRAINING or SCORED_BEFORE else r"\d+",
     # The rounds' trainings and merges are the run's critical path: when cores are short (a local run),
     # a round's trainings go first, side by side, and evaluations fill the gaps (the demo: see
-    # benchmarks/README.md).
+    # benchmarks/results/workflow/2026-11-28-jobs-per-round.md).
     priority: 1
     # Retried by the main Snakemake, in a new Slurm job; never by the job's own Snakemake (REMOTE mode),
     # which would restart training in the same allocation, minutes before its time limit.

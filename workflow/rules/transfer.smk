@@ -6,6 +6,11 @@
 TRANSFER = "python -m fedtune.core.transfer"
 
 
+# A fetched or received whole model of round 2 on must say it was made from the round's start model here
+# (fedtune.core.crossings.checks_start): a stale copy is waited for, never taken.
+from fedtune.core.crossings import checks_start
+
+
 rule fetch_manifest:
     output:
         manifest_path("{site}"),
@@ -23,8 +28,10 @@ rule fetch_manifest:
     threads: 0
     params:
         args=lambda wc, output: receive_args(f"data/{wc.site}/manifest.json", output[0]),
+        start="",
+    # --here: this cluster, for the command that brings back a pushed item whose inbox copy is gone.
     shell:
-        f"{TRANSFER} {{params.args}} 2>&1 | tee {{log:q}}"
+        f"{TRANSFER} {{params.args}} {{params.start}} --here {HERE} 2>&1 | tee {{log:q}}"
 
 
 # A waiting job starts only once what it waits for can exist, here once the round's start model is (a
@@ -46,6 +53,11 @@ use rule fetch_manifest as fetch_site_model with:
     params:
         args=lambda wc, output: receive_args(
             f"round-{wc.round}/{wc.site}/{SITE_ITEM}", output[0]
+        ),
+        start=lambda wc: (
+            f"--start {shlex.quote(init_model_dir(wc.round))}"
+            if checks_start(RUN, wc.round)
+            else ""
         ),
 
 
@@ -73,6 +85,11 @@ if not aggregates_here():
         params:
             args=lambda wc, output: receive_args(
                 f"round-{wc.round}/aggregate/{AGGREGATE_ITEM}", output[0]
+            ),
+            start=lambda wc: (
+                f"--start {shlex.quote(init_model_dir(wc.round))}"
+                if checks_start(RUN, wc.round)
+                else ""
             ),
 
 
@@ -163,7 +180,8 @@ if aggregates_here() and COST_PARTS_ELSEWHERE:
 
 
 # A folder or file another cluster pulls: the sha256 list of its files, written once it is in place, and
-# the item with its list published under exchange/outbox (hard links), where the others read it.
+# the item with its list published under exchange/outbox (a copy, a reflink where the file system has
+# them: never a link to the live file), where the others read it.
 rule mark_complete:
     input:
         run_path("{item}"),
@@ -184,8 +202,9 @@ rule mark_complete:
         f"{TRANSFER} mark --path {{input:q}} --out {{output:q}} --outbox {{params.outbox:q}} > {{log:q}} 2>&1"
 
 
-# A folder or file sent to a cluster whose federation.remotes entry says push: into its inbox, checked,
-# the marker last; the receipt here records it.
+# A folder or file sent to a cluster whose federation.remotes entry says push: its old marker there
+# withdrawn, then into its inbox, checked, the marker last; the receipt here records it. The receiver
+# copies it out of its inbox and keeps the inbox copy, so a deleted received output comes back from there.
 rule push:
     input:
         run_path("{item}"),
