@@ -166,13 +166,16 @@ def test_the_rehearsal_prints_a_line_whenever_a_controller_moves_on(tmp_path, ca
 def test_a_target_after_configfile_is_refused_in_one_line(tmp_path):
     config = tmp_path / "my.yaml"
     config.write_text("run: demo\n")
-    target = "results/demo/data/it/manifest.json"
+    # A run no `make demo` before the tests has made: the check looks for the name from the working folder.
+    target = "results/no-such-run/data/it/manifest.json"
     message = configfile_problem(["-n", "--configfile", str(config), target])
     assert message == (
         f"--configfile {target}: no such file; Snakemake reads every name after --configfile as a config "
         f"file: put targets before it, `snakemake ... {target} --configfile {config}`"
     )
-    assert "put targets before it" in configfile_problem(["--configfile", str(config), "results/demo/report"])
+    assert "put targets before it" in configfile_problem(
+        ["--configfile", str(config), "results/no-such-run/report"]
+    )
 
 
 def test_a_configfile_that_is_not_there_is_refused_in_one_line(tmp_path):
