@@ -276,20 +276,12 @@ def measure(cmd: list[str], log: Path | None, timeout: float | None) -> dict:
 
 
 def evict(paths: list[Path]) -> str:
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return "drop_caches"
-    except OSError:
-        for path in paths:
-            files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
-            for file in files:
-                fd = os.open(file, os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
-        return "posix_fadvise(DONTNEED)"
+    """Drop the page cache of these files and folders' files (benchmarks/aggregate.py's way)."""
+    from aggregate import _evict
+
+    return _evict(
+        [p for path in paths for p in ([path] if path.is_file() else path.rglob("*")) if p.is_file()]
+    )
 
 
 def diskbw(folder: Path, gib: float) -> dict:
