@@ -14,7 +14,6 @@ import pytest
 import yaml
 
 from fedtune.core.config import (
-    ConfigError,
     build_run_config,
     cluster_profile_problem,
     configfile_problem,
@@ -23,22 +22,11 @@ from fedtune.core.config import (
 )
 from fedtune.core.options import RESERVED_SITE_NAMES
 
+from .test_start_errors import printed, refused
 from .workflow_harness import ROOT, VENV_BIN, demo_config, snakemake, write_config
 
 LLAMA2 = ROOT / "config" / "examples" / "llama2-it-cs.yaml"
 EXAMPLES = sorted((ROOT / "config" / "examples").glob("llama2-*.yaml"))
-
-
-def printed(result) -> str:
-    return result.stdout + result.stderr
-
-
-def refused(config: dict) -> str:
-    with pytest.raises(ConfigError) as error:
-        build_run_config(copy.deepcopy(config), source="my.yaml", base_dir=ROOT)
-    message = str(error.value)
-    assert "\n" not in message, message
-    return message
 
 
 # 1. A cluster's config on profiles/local.

@@ -259,17 +259,22 @@ def _index_problem(found: dict[str, Path]) -> str | None:
     return None
 
 
+def _file_set_problem(found: dict[str, Path], sums: dict[str, str]) -> str | None:
+    """Why the files found differ from the marker's list (some missing, some not in it), or None."""
+    missing = sorted(set(sums) - set(found))
+    extra = sorted(set(found) - set(sums))
+    if missing or extra:
+        return f"files missing {missing[:3]} or not in the marker {extra[:3]}"
+    return None
+
+
 def verify(path: Path, sums: dict[str, str], name: str) -> str | None:
     """Why the copy at `path` (standing for `name`, as the marker names it) differs from the marker's
     list, or None when every file is there with its sha256 and there is nothing else. Only regular files
     and folders are taken: a link (to a file or a folder), a FIFO or a device anywhere is refused by name."""
     found, problem = regular_files(path, name)
-    if problem:
+    if problem := problem or _file_set_problem(found, sums):
         return problem
-    missing = sorted(set(sums) - set(found))
-    extra = sorted(set(found) - set(sums))
-    if missing or extra:
-        return f"files missing {missing[:3]} or not in the marker {extra[:3]}"
     for relative, digest in sums.items():
         if sha256_file(found[relative]) != digest:
             return f"{relative}: sha256 differs from the marker's"
@@ -732,13 +737,8 @@ def _copy_out(
     parent = item.rpartition("/")[0]
     below = f"{parent}/" if parent else ""
     found, problem = regular_files(staged, staged.name)
-    if problem:
+    if problem := problem or _file_set_problem(found, sums):
         return problem
-    extra = sorted(set(found) - set(sums))
-    missing = sorted(set(sums) - set(found))
-    if missing or extra:
-        return f"files missing {missing[:3]} or not in the marker {extra[:3]}"
-    problem = None
     try:
         if stat.S_ISDIR(os.lstat(staged).st_mode):
             with atomic_dir(out) as tmp:
