@@ -98,9 +98,10 @@ def main() -> None:
         texts = [(recipe if i % 2 else bulletin)(rng) for i in range(args.documents)]
     device = torch.device(args.device)
     if args.model:
+        from fedtune.evaluate.options import EvaluateOptions
         from fedtune.evaluate.scores import load
 
-        model, tokenizer = load(args.model, dtype=args.dtype, device=args.device)
+        model, tokenizer = load(args.model, EvaluateOptions.from_mapping({"dtype": args.dtype}), args.device)
     else:
         tokenizer = train_tokenizer(texts, vocab_size=args.vocab_size)
         with device:

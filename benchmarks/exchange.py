@@ -86,8 +86,8 @@ def shapes_of(config: dict) -> dict[str, tuple[int, ...]]:
 def mode_bytes(shapes: dict[str, tuple[int, ...]], model_dtype, options: dict) -> int:
     import torch
 
-    from fedtune.core.config import ExchangeOptions
     from fedtune.core.exchange import Encoding, TensorEntry, UpdateHeader, encoding_for, part_shapes
+    from fedtune.core.exchange_options import ExchangeOptions
     from fedtune.core.safetensors_stream import ST_NAMES
 
     exchange = ExchangeOptions(**options)
@@ -137,9 +137,9 @@ def bytes_table(demo_model: Path | None) -> dict:
 def speed(layers: int, workdir: Path) -> dict:
     import aggregate as bench
 
-    from fedtune.core.config import ExchangeOptions
+    from fedtune.core.exchange_options import ExchangeOptions
     from fedtune.core.models import record_checksums
-    from fedtune.core.updates import compress
+    from fedtune.core.updates import CompressJob, compress
 
     if workdir.exists():
         shutil.rmtree(workdir)
@@ -156,7 +156,7 @@ def speed(layers: int, workdir: Path) -> dict:
         files = [*site.glob("*.safetensors"), *start.glob("*.safetensors")]
         bench.drop_cache(files)
         started = time.perf_counter()
-        compress(site, start, out, ExchangeOptions(dtype="int8"))
+        compress(CompressJob(site, start, out), ExchangeOptions(dtype="int8"))
         compress_s.append(round(time.perf_counter() - started, 2))
         updates.append(out)
     out_bytes = sum(p.stat().st_size for p in sites[0].glob("*.safetensors"))

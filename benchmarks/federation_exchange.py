@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 
 from fedtune.core import updates
-from fedtune.core.config import ExchangeOptions
+from fedtune.core.exchange_options import ExchangeOptions
 
 
 class Exchange:
@@ -36,10 +36,11 @@ class Exchange:
         folders are deleted (the new start and the new residuals replace them)."""
         folder = self.work / f"round-{r}" / item
         residual_out = folder / "residual" if self.options.keeps_residual else None
-        summary = updates.compress(
-            model_dir, start_dir, folder / "update", self.options,
+        job = updates.CompressJob(
+            model_dir, start_dir, folder / "update",
             residual_in=self.residuals.get(item), residual_out=residual_out, label=f"{item} round {r}",
         )  # fmt: skip
+        summary = updates.compress(job, self.options)
         rebuilt = folder / "rebuilt"
         updates.decode_folder(folder / "update", start_dir, rebuilt, label=f"{item}'s update of round {r}")
         if residual_out is not None:

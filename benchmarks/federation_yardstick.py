@@ -13,7 +13,7 @@ pooled model from fedtune.train.loop.train (the train stage's step loop, backend
 export, token counts included), the merge from fedtune.aggregate.merge.aggregate (the streamed
 per-tensor merge, vocab rows and server optimizer state) and the perplexity from
 fedtune.evaluate.scores (build_stream, score). The settings come from config/config.yaml (the demo; to
-fine-tune, the SmolLM2 example) through fedtune.core.config, with the cell's sites, rounds, steps and
+fine-tune, the SmolLM2 example) through fedtune.run.config, with the cell's sites, rounds, steps and
 strategy; nothing here trains or merges by itself.
 
 The yardstick is tuned: the pooled model sweeps --pooled-lr-factors (times the config's lr) crossed
@@ -44,7 +44,7 @@ the start, the next round's start model, as the workflow does; the pooled model 
 the base and is scored as base + adapter, as the evaluate stage scores it.
 
 Partial participation (--participation < 1) is the product's federation.participation: the cell's
-config sets it, build_run_config draws each round's sites (fedtune.core.config.sample_participants,
+config sets it, build_run_config draws each round's sites (fedtune.core.participation.sample_participants,
 seeded by train.seed, here the cell's seed) and the benchmark trains and merges RunConfig.round_sites(r)
 only. The pooled model's token count is the product's too (federation.pooled_baseline's max_steps from
 the same draw): as many blocks as the sampled sites trained over all rounds, so at half participation
@@ -90,7 +90,7 @@ import federation_corpora as corpora  # noqa: E402
 import federation_sets as fine_sets  # noqa: E402
 from federation_exchange import Exchange  # noqa: E402
 
-from fedtune.core import config as fconfig  # noqa: E402
+from fedtune.run import config as fconfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN_DOCS, TEST_DOCS = 60, 40
@@ -263,7 +263,7 @@ class Cell:
             download_model(run.model, self.base)
 
     def _tokenize(self) -> dict[str, Path]:
-        from fedtune.tokenize.shards import tokenize_shard, write_manifest
+        from fedtune.tokenize.shards import ShardJob, tokenize_shard, write_manifest
 
         run, manifests = next(iter(self.run.values())), {}
         for site in self.sites:
@@ -271,7 +271,9 @@ class Cell:
             shards = []
             for k in range(options.shards):
                 out = self.work / "tokens" / site / f"train-{k}"
-                tokenize_shard(self.work / "raw" / site, "train", k, self.base, out, options, site=site)
+                tokenize_shard(
+                    ShardJob(self.work / "raw" / site, "train", k, self.base, out, site=site), options
+                )
                 shards.append(out)
             manifests[site] = self.work / "tokens" / site / "manifest.json"
             write_manifest(shards, manifests[site])
@@ -311,8 +313,8 @@ class Cell:
         loaded as the evaluate stage loads it."""
         from fedtune.evaluate.scores import load, score
 
-        model, _ = load(model_dir, base=base, device=self.device)
         options = next(iter(self.run.values())).evaluate
+        model, _ = load(model_dir, options, self.device, base)
         result = {}
         for site, ids in self.test_ids.items():
             nll, scored, _ = score(
@@ -450,12 +452,19 @@ def merge_round(models: dict, out: Path, options, manifests: dict, start: Path, 
     """One round's merge: the aggregate stage's own function (what `python -m fedtune.aggregate` runs),
     with the round's site models, their manifests (token weights), the start model and the server
     state; tests/test_fedbench.py holds its output byte-identical to the CLI's."""
-    from fedtune.aggregate.merge import aggregate
+    from fedtune.aggregate.merge import AggregateJob, aggregate
 
     return aggregate(
-        models, out, options, manifests=manifests, start=start,
-        server_state_in=state_in, server_state_out=state_out,
-    )  # fmt: skip
+        AggregateJob(
+            models,
+            out,
+            manifests=manifests,
+            start=start,
+            server_state_in=state_in,
+            server_state_out=state_out,
+        ),
+        options,
+    )
 
 
 def merge_adapter_round(
@@ -465,13 +474,12 @@ def merge_adapter_round(
     adapter aggregate (aggregate_adapters: the sites' exact merged update, the server step and its
     state), then the merge of that adapter into the round's start (merge_adapter, what every cluster
     runs), the next round's start model."""
-    from fedtune.aggregate.adapters import aggregate_adapters, merge_adapter
+    from fedtune.aggregate.adapters import AdapterAggregateJob, aggregate_adapters, merge_adapter
 
     adapter = out.with_name(out.name + "-adapter")
-    record = aggregate_adapters(
-        adapters, adapter, options, manifests=manifests, start=start,
-        server_state_in=state_in, server_state_out=state_out,
-    )  # fmt: skip
+    job = AdapterAggregateJob(adapters, adapter, manifests=manifests, start=start,
+                              server_state_in=state_in, server_state_out=state_out)  # fmt: skip
+    record = aggregate_adapters(job, options)
     merge_adapter(adapter, start, out, max_shard_size=options.max_shard_size)
     shutil.rmtree(adapter)
     return record

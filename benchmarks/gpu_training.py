@@ -261,9 +261,9 @@ def synchronize(device) -> None:
 def fedtune_worker(spec: dict) -> dict:
     from types import SimpleNamespace
 
-    from fedtune.core.config import TrainOptions
     from fedtune.train import distributed, loading, speed
     from fedtune.train import loop as train
+    from fedtune.train.options import TrainOptions
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

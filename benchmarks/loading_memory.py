@@ -28,8 +28,11 @@ import threading
 import time
 from pathlib import Path
 
+from fedtune.tools.sample_data import corpus, site_data
+
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH = ROOT / "scripts" / "launch"
+BLOCK_SIZE = 32  # tokens a block, as the train tests' sites
 # Rank 0's first line once the model is loaded and sharded. Searched anywhere in a line: the other rank's
 # progress bar (stderr, no newline until it ends) can share the line with it.
 LOADED_LINE = re.compile(r"training \S+, round \d+ of \d+ from step")
@@ -56,15 +59,13 @@ def prepare(
     needs a converted, private copy per rank (an fp32 file could be memory-mapped and shared)."""
     sys.path.insert(0, str(ROOT))
     from fedtune.core.models import build_model, load_tokenizer, save_model, train_tokenizer
-    from tests.conftest import corpus
-    from tests.train_runs import make_site_data
 
     tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else train_tokenizer(corpus(), vocab_size=512)
     model = build_model(architecture(hidden, layers), tokenizer, seed=0, dtype=dtype)
     params = sum(p.numel() for p in model.parameters())
     save_model(model, tokenizer, root / "model")
     del model
-    return root / "model", make_site_data(root, root / "model", blocks=16), params
+    return root / "model", site_data(root, root / "model", blocks=16, block_size=BLOCK_SIZE), params
 
 
 def _smaps(pid: int) -> tuple[int, int] | None:

@@ -145,8 +145,8 @@ def build(arch: str, tokenizer_dir: Path, out: Path, device: str, dtype: str, se
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fedtune.core.config import torch_dtype
     from fedtune.core.models import load_tokenizer, save_model
+    from fedtune.core.options import torch_dtype
 
     started = time.perf_counter()
     tokenizer = load_tokenizer(tokenizer_dir)

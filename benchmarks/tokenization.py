@@ -38,10 +38,10 @@ def main() -> None:
 
     from datasets import Dataset, DatasetDict, disable_caching
 
-    from fedtune.core.config import TokenizeOptions
     from fedtune.core.models import train_tokenizer
     from fedtune.download.demo_data import bulletin, recipe
-    from fedtune.tokenize.shards import tokenize_shard
+    from fedtune.tokenize.options import TokenizeOptions
+    from fedtune.tokenize.shards import ShardJob, tokenize_shard
 
     work = Path(tempfile.mkdtemp(prefix="fedtune-bench-tokenize-"))
     rng = random.Random(0)
@@ -61,7 +61,7 @@ def main() -> None:
 
     start = time.perf_counter()
     options = TokenizeOptions.from_mapping({"shards": 1, "template": template, "block_size": args.block_size})
-    counts = tokenize_shard(raw, "train", 0, model_dir, work / "shard", options)
+    counts = tokenize_shard(ShardJob(raw, "train", 0, model_dir, work / "shard"), options)
     seconds = time.perf_counter() - start
     results["fedtune"] = {"seconds": round(seconds, 2), "tokens": counts["tokens"],
                           "tokens_per_s": round(counts["tokens"] / seconds)}  # fmt: skip

@@ -114,10 +114,10 @@ def prepare(args, tmp: Path) -> tuple[Path, Path, dict]:
 
     from datasets import Dataset, DatasetDict
 
-    from fedtune.core.config import TokenizeOptions
     from fedtune.core.models import build_model, save_model, train_tokenizer
     from fedtune.download.demo_data import bulletin, recipe
-    from fedtune.tokenize.shards import tokenize_shard, write_manifest
+    from fedtune.tokenize.options import TokenizeOptions
+    from fedtune.tokenize.shards import ShardJob, tokenize_shard, write_manifest
 
     rng = random.Random(0)
     texts = [(recipe if i % 2 else bulletin)(rng) for i in range(args.documents)]
@@ -140,7 +140,7 @@ def prepare(args, tmp: Path) -> tuple[Path, Path, dict]:
     for k in range(2):
         shard = tmp / "data" / SITE / "train" / f"shard-{k}"
         options = TokenizeOptions.from_mapping({"shards": 2, "block_size": args.block_size})
-        tokenize_shard(raw, "train", k, model_dir, shard, options, site=SITE)
+        tokenize_shard(ShardJob(raw, "train", k, model_dir, shard, site=SITE), options)
         shards.append(shard)
     manifest_path = tmp / "data" / SITE / "manifest.json"
     manifest = write_manifest(shards, manifest_path)
@@ -169,7 +169,7 @@ def train_command(args, options: dict, model_dir: Path, manifest: Path, run_dir:
 
 
 def run_fedtune(args, name: str, extra: dict, model_dir: Path, manifest: Path, tmp: Path) -> dict:
-    from fedtune.core.config import TrainOptions
+    from fedtune.train.options import TrainOptions
 
     # The train section as the train CLI reads it (checked, defaults filled), as a plain dict here.
     options = TrainOptions.from_mapping(train_options(args, extra)).to_dict()
@@ -389,7 +389,7 @@ def run_checkpoint_blocking(args, model_dir: Path, manifest: Path, tmp: Path) ->
     """fsdp full with a checkpoint every --checkpoint-every steps, written synchronously and then
     asynchronously. The run's last checkpoint is waited for in both (nothing may be in flight at the
     end), so the comparison is over the others."""
-    from fedtune.core.config import TrainOptions
+    from fedtune.train.options import TrainOptions
 
     out = {}
     for mode in ("sync", "async"):

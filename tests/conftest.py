@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from fedtune.tools.sample_data import corpus  # noqa: F401 (the tests import it from here)
+
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 
@@ -77,15 +79,6 @@ def pytest_runtest_makereport(item, call):
     if report.skipped and needs and os.environ.get("CI") == "true":
         report.outcome = "failed"
         report.longrepr = f"{needs.name} test skipped in CI, which must run it: {report.longrepr}"
-
-
-def corpus(n: int = 400) -> list[str]:
-    """Small deterministic English-ish text for tokenizer training and tiny datasets."""
-    import random
-
-    rng = random.Random(0)
-    words = "the a cat dog sat ran on over mat log quick slow red blue green big small and then".split()
-    return [" ".join(rng.choice(words) for _ in range(rng.randint(5, 60))) + "." for _ in range(n)]
 
 
 @pytest.fixture(scope="session")

@@ -32,10 +32,12 @@ from fedtune.aggregate.adapters import (  # noqa: E402
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     AdapterAggregateError,
+    AdapterAggregateJob,
     aggregate_adapters,
     main,
 )
-from fedtune.core.config import AggregateOptions, ConfigError  # noqa: E402
+from fedtune.aggregate.options import AggregateOptions  # noqa: E402
+from fedtune.core.options import ConfigError  # noqa: E402
 
 
 def opts(sites=None, weights=None, **section) -> AggregateOptions:
@@ -187,7 +189,7 @@ def test_exact_follows_rank_and_alpha_patterns_and_pads_the_smaller_sums(llama_b
             **patterned,
         ),
     ]
-    record = aggregate_adapters(sites, tmp_path / "out", opts(sites, [1, 1]))
+    record = aggregate_adapters(AdapterAggregateJob(sites, tmp_path / "out"), opts(sites, [1, 1]))
     # q_proj sums to rank 8, v_proj to 6: v_proj is padded with zeros up to the adapter's r.
     assert (record["output"]["r"], record["output"]["padded_modules"]) == (8, 2)
     base = base_state(LlamaForCausalLM, llama_base)
@@ -207,9 +209,9 @@ def test_average_factors_is_mean_b_times_mean_a_and_not_the_mean_of_updates(llam
     lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
     sites = [train_adapter(LlamaForCausalLM, llama_base, tmp_path / s, k, **lora) for k, s in enumerate("ab")]
     weights = [1.0, 3.0]
-    out = aggregate_adapters(sites, tmp_path / "avg", opts(sites, weights, adapter_merge="average_factors"))[
-        "output"
-    ]
+    out = aggregate_adapters(
+        AdapterAggregateJob(sites, tmp_path / "avg"), opts(sites, weights, adapter_merge="average_factors")
+    )["output"]
     config = json.loads((tmp_path / "avg" / ADAPTER_CONFIG).read_text())
     assert (config["r"], config["lora_alpha"], out["r"]) == (4, 8, 4)
 
@@ -245,7 +247,9 @@ def test_modules_to_save_are_averaged_in_the_adapter_and_replace_the_base_head(t
     weights = [1.0, 4.0]
     for mode in ("exact", "average_factors"):
         out = tmp_path / mode
-        aggregate_adapters(sites, out, opts(sites, weights, adapter_merge=mode), merge_into=base)
+        aggregate_adapters(
+            AdapterAggregateJob(sites, out, merge_into=base), opts(sites, weights, adapter_merge=mode)
+        )
         heads = [load_file(s / ADAPTER_WEIGHTS)["base_model.model.score.weight"] for s in sites]
         mean = 0.2 * heads[0] + 0.8 * heads[1]
         assert torch.allclose(
@@ -287,7 +291,7 @@ def test_gpt2_fan_in_fan_out_layers_merge_transposed(tmp_path):
     ]
     # A small shard size makes the merged model a sharded one, with an index, as large models are.
     options = opts(sites, [2, 1], max_shard_size="40000B")
-    record = aggregate_adapters(sites, tmp_path / "out", options, merge_into=base)
+    record = aggregate_adapters(AdapterAggregateJob(sites, tmp_path / "out", merge_into=base), options)
     assert record["merged"]["adapted_tensors"] == 4 and len(record["merged"]["files"]) > 1
     assert (tmp_path / "out" / "merged" / "model.safetensors.index.json").is_file()
     want = expected_mean(sites, [2, 1])
@@ -320,7 +324,9 @@ def two_ranks(llama_base, tmp_path_factory) -> tuple[Path, Path]:
 
 def test_average_factors_refuses_unequal_ranks_naming_folders_and_ranks(two_ranks, tmp_path):
     with pytest.raises(AdapterAggregateError) as error:
-        aggregate_adapters(two_ranks, tmp_path / "out", opts(adapter_merge="average_factors"))
+        aggregate_adapters(
+            AdapterAggregateJob(two_ranks, tmp_path / "out"), opts(adapter_merge="average_factors")
+        )
     message = str(error.value)
     assert (
         "r=4" in message
@@ -338,18 +344,20 @@ def test_mismatched_target_modules_are_refused(llama_base, two_ranks, tmp_path):
     )
     for mode in ("exact", "average_factors"):
         with pytest.raises(AdapterAggregateError, match="target modules differ.*v_proj"):
-            aggregate_adapters([two_ranks[0], other], tmp_path / "out", opts(adapter_merge=mode))
+            aggregate_adapters(
+                AdapterAggregateJob([two_ranks[0], other], tmp_path / "out"), opts(adapter_merge=mode)
+            )
     assert not (tmp_path / "out").exists()
 
 
 def test_weights_must_match_the_adapters(two_ranks, tmp_path):
     three = {**opts(two_ranks, [1, 2]).weights, "elsewhere": 3}
     with pytest.raises(AdapterAggregateError, match=r"must name every site once; unknown: \['elsewhere'\]"):
-        aggregate_adapters(two_ranks, tmp_path / "out", opts(weights=three))
+        aggregate_adapters(AdapterAggregateJob(two_ranks, tmp_path / "out"), opts(weights=three))
     with pytest.raises(ConfigError, match=r"aggregate.weights.*: -2 is less than the minimum of 0"):
         opts(two_ranks, [1, -2])
     with pytest.raises(AdapterAggregateError, match="sum to zero"):
-        aggregate_adapters(two_ranks, tmp_path / "out", opts(two_ranks, [0, 0]))
+        aggregate_adapters(AdapterAggregateJob(two_ranks, tmp_path / "out"), opts(two_ranks, [0, 0]))
 
 
 def test_missing_files_and_cli_exit_code(two_ranks, tmp_path, capsys):
@@ -377,12 +385,14 @@ def test_missing_files_and_cli_exit_code(two_ranks, tmp_path, capsys):
     )
     assert "folder not found" in capsys.readouterr().err
     with pytest.raises(AdapterAggregateError, match="--merge-into .*model folder not found"):
-        aggregate_adapters(two_ranks, tmp_path / "out", opts(), merge_into=tmp_path / "nowhere")
+        aggregate_adapters(
+            AdapterAggregateJob(two_ranks, tmp_path / "out", merge_into=tmp_path / "nowhere"), opts()
+        )
     (broken / ADAPTER_WEIGHTS).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
     with pytest.raises(AdapterAggregateError, match=f"{broken / ADAPTER_WEIGHTS}: not a safetensors file"):
-        aggregate_adapters([two_ranks[0], broken], tmp_path / "out", opts())
+        aggregate_adapters(AdapterAggregateJob([two_ranks[0], broken], tmp_path / "out"), opts())
     with pytest.raises(AdapterAggregateError, match="same adapter folder"):
-        aggregate_adapters([two_ranks[0], two_ranks[0]], tmp_path / "out", opts())
+        aggregate_adapters(AdapterAggregateJob([two_ranks[0], two_ranks[0]], tmp_path / "out"), opts())
     assert not (tmp_path / "out").exists()
 
 
@@ -398,7 +408,7 @@ def test_config_that_contradicts_the_weights_and_dora_are_refused(two_ranks, tmp
         config = json.loads((site / ADAPTER_CONFIG).read_text())
         (site / ADAPTER_CONFIG).write_text(json.dumps({**config, **change}))
         with pytest.raises(AdapterAggregateError, match=pattern):
-            aggregate_adapters([site, two_ranks[1]], tmp_path / "out", opts())
+            aggregate_adapters(AdapterAggregateJob([site, two_ranks[1]], tmp_path / "out"), opts())
 
 
 def test_adapters_that_do_not_fit_the_base_are_refused_before_writing(two_ranks, tmp_path):
@@ -409,7 +419,7 @@ def test_adapters_that_do_not_fit_the_base_are_refused_before_writing(two_ranks,
     with pytest.raises(
         AdapterAggregateError, match=r"(?s)do not fit the base model.*q_proj.weight: \[32, 32\] in the base"
     ):
-        aggregate_adapters(two_ranks, tmp_path / "out", opts(), merge_into=wider)
+        aggregate_adapters(AdapterAggregateJob(two_ranks, tmp_path / "out", merge_into=wider), opts())
     assert not (tmp_path / "out").exists()
 
 
@@ -459,7 +469,9 @@ def test_transfer_bytes_counts_what_tiny_peft_adapters_hold(two_ranks, llama_bas
 
 def test_output_dtype_and_record(two_ranks, tmp_path):
     sites = {"north": two_ranks[0], "south": two_ranks[1]}
-    record = aggregate_adapters(sites, tmp_path / "out", opts(sites, [3, 1], dtype="bfloat16"))
+    record = aggregate_adapters(
+        AdapterAggregateJob(sites, tmp_path / "out"), opts(sites, [3, 1], dtype="bfloat16")
+    )
     tensors = load_file(tmp_path / "out" / ADAPTER_WEIGHTS)
     assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
     assert tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].shape == (12, 64)
@@ -532,14 +544,19 @@ def test_cli_refuses_tokens_without_manifests_and_merge_without_base(two_ranks, 
 
 
 @pytest.mark.parametrize(
-    "server", [{"name": "sgd", "lr": 1.7}, {"name": "fedavgm", "lr": 1.3, "momentum": 0.6}]
+    "server",
+    [
+        {"name": "sgd", "lr": 1.7},
+        {"name": "fedavgm", "lr": 1.3, "momentum": 0.6},
+        {"name": "nesterov", "lr": 0.7, "momentum": 0.9},
+    ],
 )
 def test_server_optimizer_over_adapters_is_exactly_its_rule_on_the_dense_updates(
     server, llama_base, tmp_path
 ):
     """Two rounds: the merged model of each round is base + the optimizer's update computed by hand on
-    the dense mean updates (fedavgm: m1 = D1, m2 = momentum m1 + D2; update lr m), and the momentum's
-    rank grows by the round's rank."""
+    the dense mean updates (fedavgm: m1 = D1, m2 = momentum m1 + D2; update lr m; nesterov: the same m,
+    update lr (D + momentum m), DiLoCo's outer step), and the momentum's rank grows by the round's rank."""
     weights = [1.0, 3.0]
     options = json.dumps(
         {"adapter_merge": "exact", "weights": {"a": 1.0, "b": 3.0}, "server_optimizer": server}
@@ -573,7 +590,10 @@ def test_server_optimizer_over_adapters_is_exactly_its_rule_on_the_dense_updates
                 if momentum is None
                 else {n: server["momentum"] * momentum[n] + d for n, d in mean.items()}
             )
-            want = {n: server["lr"] * m for n, m in momentum.items()}
+            if server["name"] == "nesterov":
+                want = {n: server["lr"] * (d + server["momentum"] * momentum[n]) for n, d in mean.items()}
+            else:
+                want = {n: server["lr"] * m for n, m in momentum.items()}
         base = base_state(LlamaForCausalLM, llama_base)
         merged = AutoModelForCausalLM.from_pretrained(out / "merged").state_dict()
         loaded = peft_merged(LlamaForCausalLM, llama_base, out)
@@ -582,7 +602,7 @@ def test_server_optimizer_over_adapters_is_exactly_its_rule_on_the_dense_updates
             assert rel_error(loaded[name] - base[name], update) < 1e-6, (round_, name)
         record = json.loads((state / "state.json").read_text())
         assert record["optimizer"]["name"] == server["name"]
-        if server["name"] == "fedavgm":
+        if server["name"] != "sgd":
             assert record["rank"] == 6 * round_  # the sites' ranks 4 + 2, stacked once per round
         else:
             assert record["rank"] is None and not (state / "momentum.safetensors").exists()
@@ -609,13 +629,15 @@ def test_adapter_server_state_of_another_optimizer_or_adaptive_optimizers_are_re
     )
     fedavgm = json.dumps({"adapter_merge": "exact", "server_optimizer": {"name": "fedavgm"}})
     with pytest.raises(AdapterAggregateError, match="written by server optimizer 'sgd', not 'fedavgm'"):
-        aggregate_adapters(two_ranks, tmp_path / "a2", AggregateOptions.from_json(fedavgm),
-                           server_state_in=tmp_path / "s1")  # fmt: skip
+        aggregate_adapters(
+            AdapterAggregateJob(two_ranks, tmp_path / "a2", server_state_in=tmp_path / "s1"),
+            AggregateOptions.from_json(fedavgm),
+        )
     adam = opts(server_optimizer={"name": "fedadam"})
     with pytest.raises(
         AdapterAggregateError, match="fedadam keeps per-coordinate state that is not low-rank"
     ):
-        aggregate_adapters(two_ranks, tmp_path / "a3", adam)
+        aggregate_adapters(AdapterAggregateJob(two_ranks, tmp_path / "a3"), adam)
     assert not (tmp_path / "a2").exists() and not (tmp_path / "a3").exists()
 
 
@@ -638,12 +660,20 @@ def test_fedavgm_steps_the_tensors_adapters_train_whole_from_the_start_model(tmp
         ]
         if round_ == 1:
             with pytest.raises(AdapterAggregateError, match="--start is needed"):
-                aggregate_adapters(sites, tmp_path / "refused", opts(server_optimizer=server),
-                                   server_state_out=tmp_path / "refused-state")  # fmt: skip
+                aggregate_adapters(
+                    AdapterAggregateJob(
+                        sites, tmp_path / "refused", server_state_out=tmp_path / "refused-state"
+                    ),
+                    opts(server_optimizer=server),
+                )
             assert not (tmp_path / "refused").exists() and not (tmp_path / "refused-state").exists()
         out, state = tmp_path / f"out{round_}", tmp_path / f"state{round_}"
-        aggregate_adapters(sites, out, opts(sites, [1.0, 4.0], server_optimizer=server), merge_into=base,
-                           start=base, server_state_in=state_in, server_state_out=state)  # fmt: skip
+        aggregate_adapters(
+            AdapterAggregateJob(
+                sites, out, merge_into=base, server_state_in=state_in, server_state_out=state, start=base
+            ),
+            opts(sites, [1.0, 4.0], server_optimizer=server),
+        )
         state_in = state
         heads = [load_file(s / ADAPTER_WEIGHTS)["base_model.model.score.weight"] for s in sites]
         delta = 0.2 * heads[0] + 0.8 * heads[1] - start

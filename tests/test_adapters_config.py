@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fedtune.core.config import ConfigError, build_run_config
+from fedtune.core.options import ConfigError
+from fedtune.run.config import build_run_config
 from tests.workflow_harness import ROOT, snakemake
 
 DEMO_LORA = ROOT / "config" / "examples" / "demo-lora.yaml"

@@ -13,8 +13,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from fedtune.aggregate.merge import AggregateError, aggregate, main, parse_size
-from fedtune.core.config import AggregateOptions, ConfigError
+from fedtune.aggregate.merge import AggregateError, AggregateJob, aggregate, main, parse_size
+from fedtune.aggregate.options import AggregateOptions
+from fedtune.core.options import ConfigError
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8, "dtype": "float32"}
 TOKENIZER = {
@@ -84,7 +85,7 @@ def test_identical_models_give_that_model_bit_for_bit(tmp_path):
     models = {
         s: write_checkpoint(tmp_path / s, tensors, shards=2 if s == "b" else 1) for s in ("a", "b", "c")
     }
-    record = aggregate(models, tmp_path / "out", options(weights={"a": 1, "b": 2.5, "c": 7}))
+    record = aggregate(AggregateJob(models, tmp_path / "out"), options(weights={"a": 1, "b": 2.5, "c": 7}))
     merged = read_output(tmp_path / "out")
     assert merged.keys() == tensors.keys()
     for name, tensor in tensors.items():
@@ -106,8 +107,7 @@ def test_identical_hf_model_roundtrips_through_transformers(tmp_path, tiny_model
         shutil.copytree(tiny_model_dir, tmp_path / site)
     out = tmp_path / "merged"
     record = aggregate(
-        {"alpha": tmp_path / "alpha", "beta": tmp_path / "beta"},
-        out,
+        AggregateJob({"alpha": tmp_path / "alpha", "beta": tmp_path / "beta"}, out),
         options(weights="uniform", max_shard_size="100KB"),
     )
     # Tokenizer and config travel with the weights, so the merged folder is a complete model.
@@ -136,7 +136,7 @@ def test_weighted_mean_matches_hand_computation(tmp_path, dtype):
         "b": write_checkpoint(tmp_path / "b", inputs[1], shards=3),
         "c": write_checkpoint(tmp_path / "c", inputs[2], shards=2),
     }
-    aggregate(models, tmp_path / "out", options(weights={"a": 1, "b": 2, "c": 5}, dtype=dtype))
+    aggregate(AggregateJob(models, tmp_path / "out"), options(weights={"a": 1, "b": 2, "c": 5}, dtype=dtype))
     merged = read_output(tmp_path / "out")
     expected = hand_mean(inputs, [1, 2, 5])
     for name, value in expected.items():
@@ -160,7 +160,7 @@ def test_token_weights_come_from_the_manifests(tmp_path):
         "a": write_manifest(tmp_path / "a.json", "a", 100),
         "b": write_manifest(tmp_path / "b.json", "b", 300),
     }
-    record = aggregate(models, tmp_path / "out", options(dtype="float32"), manifests=manifests)
+    record = aggregate(AggregateJob(models, tmp_path / "out", manifests=manifests), options(dtype="float32"))
     assert record["weights"] == {
         "source": "tokens",
         "raw": {"a": 100, "b": 300},
@@ -176,7 +176,9 @@ def test_output_shards_and_index_are_consistent(tmp_path):
     big = {f"model.layers.{i}.mlp.up_proj.weight": torch.randn(64, 64) for i in range(5)}
     big["model.norm.weight"] = torch.randn(64).to(torch.float16)
     models = {s: write_checkpoint(tmp_path / s, big) for s in ("a", "b")}
-    record = aggregate(models, tmp_path / "out", options(weights="uniform", max_shard_size="40KB"))
+    record = aggregate(
+        AggregateJob(models, tmp_path / "out"), options(weights="uniform", max_shard_size="40KB")
+    )
     out = tmp_path / "out"
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
@@ -208,7 +210,10 @@ def mismatch(tmp_path, **changes) -> str:
         del other[name]
     write_checkpoint(tmp_path / "b", other, config=changes.get("config"), tokenizer=changes.get("tokenizer"))
     with pytest.raises(AggregateError) as error:
-        aggregate({"a": tmp_path / "a", "b": tmp_path / "b"}, tmp_path / "out", options(weights="uniform"))
+        aggregate(
+            AggregateJob({"a": tmp_path / "a", "b": tmp_path / "b"}, tmp_path / "out"),
+            options(weights="uniform"),
+        )
     assert not (tmp_path / "out").exists()
     assert not list(tmp_path.glob(".out.tmp-*"))
     return str(error.value)
@@ -267,7 +272,8 @@ def test_refuses_bad_weights_before_reading_models(tmp_path, weights, expected):
     # The model folders do not exist: the weights must be rejected before they are even looked at.
     with pytest.raises(AggregateError, match="weights") as error:
         aggregate(
-            {"a": tmp_path / "nope-a", "b": tmp_path / "nope-b"}, tmp_path / "out", options(weights=weights)
+            AggregateJob({"a": tmp_path / "nope-a", "b": tmp_path / "nope-b"}, tmp_path / "out"),
+            options(weights=weights),
         )
     assert expected in str(error.value)
     assert not (tmp_path / "out").exists()
@@ -293,7 +299,9 @@ def test_refuses_zero_tokens_in_every_manifest(tmp_path):
     with pytest.raises(
         AggregateError, match="site a: .*tokens_kept is 0; a site's token count must be positive"
     ):
-        aggregate({"a": tmp_path / "a", "b": tmp_path / "b"}, tmp_path / "out", manifests=manifests)
+        aggregate(
+            AggregateJob({"a": tmp_path / "a", "b": tmp_path / "b"}, tmp_path / "out", manifests=manifests)
+        )
 
 
 def test_refuses_a_manifest_of_another_site(tmp_path):
@@ -302,14 +310,17 @@ def test_refuses_a_manifest_of_another_site(tmp_path):
         "b": write_manifest(tmp_path / "b.json", "b", 5),
     }
     with pytest.raises(AggregateError, match="belongs to site 'b'"):
-        aggregate({"a": tmp_path / "a", "b": tmp_path / "b"}, tmp_path / "out", manifests=manifests)
+        aggregate(
+            AggregateJob({"a": tmp_path / "a", "b": tmp_path / "b"}, tmp_path / "out", manifests=manifests)
+        )
 
 
 def test_refuses_the_same_folder_twice(tmp_path):
     write_checkpoint(tmp_path / "a", random_tensors(0))
     with pytest.raises(AggregateError, match="same model folder"):
         aggregate(
-            {"a": tmp_path / "a", "b": tmp_path / "a" / "."}, tmp_path / "out", options(weights="uniform")
+            AggregateJob({"a": tmp_path / "a", "b": tmp_path / "a" / "."}, tmp_path / "out"),
+            options(weights="uniform"),
         )
 
 
@@ -319,7 +330,7 @@ def test_zero_weight_site_is_ignored(tmp_path):
         "a": write_checkpoint(tmp_path / "a", inputs[0]),
         "b": write_checkpoint(tmp_path / "b", inputs[1]),
     }
-    aggregate(models, tmp_path / "out", options(weights={"a": 0, "b": 3}))
+    aggregate(AggregateJob(models, tmp_path / "out"), options(weights={"a": 0, "b": 3}))
     merged = read_output(tmp_path / "out")
     assert all(torch.equal(merged[n], inputs[1][n]) for n in inputs[1])
 
@@ -371,7 +382,7 @@ def test_write_error_stops_the_merge_and_leaves_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(module.ShardWriter, "_put", disk_full)
     with pytest.raises(OSError, match="No space left"):
-        aggregate(models, tmp_path / "out", options(weights="uniform", max_shard_size="20KB"))
+        aggregate(AggregateJob(models, tmp_path / "out"), options(weights="uniform", max_shard_size="20KB"))
     assert not (tmp_path / "out").exists()
     assert not list(tmp_path.glob(".out.tmp-*"))
 
@@ -392,13 +403,13 @@ def test_refuses_a_site_trained_from_another_download_of_the_base(tmp_path):
         (tmp_path / site / "training.json").write_text(json.dumps({"site": site, "round": 1, "base": base}))
     models = {"a": tmp_path / "a", "b": tmp_path / "b"}
     with pytest.raises(AggregateError) as error:
-        aggregate(models, tmp_path / "out", options(weights="uniform"), start=start)
+        aggregate(AggregateJob(models, tmp_path / "out", start=start), options(weights="uniform"))
     message = str(error.value)
     assert f"site b ({tmp_path / 'b'}): base {'f' * 64} (hub commit {'b' * 40})" in message, message
     assert f"the start model {start}: base {here['identity']} (hub commit {'a' * 40})" in message, message
     assert "site a" not in message and not (tmp_path / "out").exists()
     # The same base everywhere merges; so do folders that record none (a later round's models).
     (tmp_path / "b" / "training.json").write_text(json.dumps({"site": "b", "round": 1, "base": here}))
-    aggregate(models, tmp_path / "out", options(weights="uniform"), start=start)
+    aggregate(AggregateJob(models, tmp_path / "out", start=start), options(weights="uniform"))
     (tmp_path / "b" / "training.json").write_text(json.dumps({"site": "b", "round": 2, "base": None}))
-    aggregate(models, tmp_path / "out2", options(weights="uniform"), start=start)
+    aggregate(AggregateJob(models, tmp_path / "out2", start=start), options(weights="uniform"))

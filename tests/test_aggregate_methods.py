@@ -8,8 +8,8 @@ import torch
 from mergekit.merge_methods import merge_tensors
 
 from fedtune.aggregate import methods as merge_methods
-from fedtune.aggregate.merge import AggregateError, aggregate
-from fedtune.core.config import ConfigError
+from fedtune.aggregate.merge import AggregateError, AggregateJob, aggregate
+from fedtune.core.options import ConfigError
 from tests.test_aggregate import options as aggregate_options
 from tests.test_aggregate import read_output, write_checkpoint
 
@@ -85,7 +85,8 @@ def test_aggregate_streams_a_method_equal_to_mergekit(tmp_path):
     }
     options = {"method": "dare_ties", "weights": {"a": 1, "b": 3}, "lam": 0.8, "density": 0.5, "seed": 9}
     record = aggregate(
-        models, tmp_path / "one", aggregate_options(**options, max_shard_size="2KB"), start=start
+        AggregateJob(models, tmp_path / "one", start=start),
+        aggregate_options(**options, max_shard_size="2KB"),
     )
     merged = read_output(tmp_path / "one")
     for name in names:
@@ -106,11 +107,13 @@ def test_aggregate_streams_a_method_equal_to_mergekit(tmp_path):
         "a": write_checkpoint(tmp_path / "a2", sites[0], shards=2),
         "b": write_checkpoint(tmp_path / "b2", sites[1]),
     }
-    aggregate(models_resharded, tmp_path / "two", aggregate_options(**options), start=start)
+    aggregate(AggregateJob(models_resharded, tmp_path / "two", start=start), aggregate_options(**options))
     again = read_output(tmp_path / "two")
     assert all(torch.equal(again[n], merged[n]) for n in names)
     # Another seed draws other masks.
-    aggregate(models, tmp_path / "three", aggregate_options(**{**options, "seed": 10}), start=start)
+    aggregate(
+        AggregateJob(models, tmp_path / "three", start=start), aggregate_options(**{**options, "seed": 10})
+    )
     other = read_output(tmp_path / "three")
     assert any(not torch.equal(other[n], merged[n]) for n in names)
 
@@ -124,12 +127,10 @@ def test_fedavg_with_start_is_todays_mean_bit_for_bit(tmp_path):
     ]
     models = {s: write_checkpoint(tmp_path / s, t) for s, t in zip("abc", tensors, strict=True)}
     weights = {"a": 1, "b": 2.5, "c": 7}
-    aggregate(models, tmp_path / "plain", aggregate_options(weights=weights))
+    aggregate(AggregateJob(models, tmp_path / "plain"), aggregate_options(weights=weights))
     aggregate(
-        models,
-        tmp_path / "start",
+        AggregateJob(models, tmp_path / "start", start=models["a"]),
         aggregate_options(weights=weights, server_optimizer={"name": "sgd", "lr": 1.0}),
-        start=models["a"],
     )
     plain, with_start = read_output(tmp_path / "plain"), read_output(tmp_path / "start")
     normalised = [w / 10.5 for w in (1, 2.5, 7)]
@@ -147,8 +148,7 @@ def test_fedavg_with_start_is_todays_mean_bit_for_bit(tmp_path):
 def test_methods_need_the_start_model(tmp_path):
     with pytest.raises(AggregateError, match="--start"):
         aggregate(
-            {"a": tmp_path / "a", "b": tmp_path / "b"},
-            tmp_path / "out",
+            AggregateJob({"a": tmp_path / "a", "b": tmp_path / "b"}, tmp_path / "out"),
             aggregate_options(weights="uniform", method="ties"),
         )
     with pytest.raises(ConfigError, match="aggregate.density"):
@@ -161,7 +161,7 @@ def test_start_model_must_hold_the_same_tensors(tmp_path):
     start = write_checkpoint(tmp_path / "start", {"w": base[:4]})
     with pytest.raises(AggregateError, match="the start model .* tensor shapes differ"):
         options = aggregate_options(weights="uniform", method="ties", density=0.5)
-        aggregate(models, tmp_path / "out", options, start=start)
+        aggregate(AggregateJob(models, tmp_path / "out", start=start), options)
 
 
 def test_kth_largest_is_exact_on_large_tensors_with_ties():

@@ -20,7 +20,7 @@ from fedtune.aggregate.options import (
     MergeMethodEntry,
     ServerOptimizerOptions,
 )
-from fedtune.core.config import schema
+from fedtune.core.options import schema
 
 AGGREGATE = schema("aggregate.schema.yaml")["properties"]
 SERVER = AGGREGATE["server_optimizer"]["properties"]
@@ -60,7 +60,7 @@ def test_the_low_rank_server_optimizers_are_linear():
     """The optimizers the registry marks low_rank (the ones adapter runs take) are linear: the update
     for a*D1 + b*D2 is a*update(D1) + b*update(D2) with the same state."""
     linear = [o.name for o in SERVER_OPTIMIZERS.values() if o.low_rank]
-    assert list(LOW_RANK_SERVER_OPTIMIZERS) == linear == ["sgd", "fedavgm"]
+    assert list(LOW_RANK_SERVER_OPTIMIZERS) == linear == ["sgd", "fedavgm", "nesterov"]
     generator = torch.Generator().manual_seed(0)
     d1, d2, m = (torch.randn(16, generator=generator) for _ in range(3))
     for name in linear:
@@ -110,7 +110,8 @@ def test_options_round_trip_through_their_json_form():
 
 
 def test_the_run_config_holds_the_section_as_options_with_the_models_dtype():
-    from fedtune.core.config import ConfigError, build_run_config
+    from fedtune.core.options import ConfigError
+    from fedtune.run.config import build_run_config
     from tests.workflow_harness import demo_config
 
     config = demo_config()
@@ -159,7 +160,7 @@ def first_site(base, sites, weights, params):
 def test_a_merge_method_is_one_registry_entry_and_its_function(tmp_path, monkeypatch):
     """Adding a merge method: its function (here, this module's first_site) and one entry in
     MERGE_METHODS; the merge streams it through the server optimizer like any other."""
-    from fedtune.aggregate.merge import aggregate
+    from fedtune.aggregate.merge import AggregateJob, aggregate
     from tests.test_aggregate import write_checkpoint
 
     entry = MergeMethodEntry("first_site", "tests.test_aggregate_registries:first_site", {"lambda": 1.0})
@@ -173,7 +174,7 @@ def test_a_merge_method_is_one_registry_entry_and_its_function(tmp_path, monkeyp
         {"lambda": 0.5, "weights": "uniform", "server_optimizer": {"name": "sgd", "lr": 2.0}}
     )
     record = aggregate(
-        models, tmp_path / "out", dataclasses.replace(options, method="first_site"), start=start
+        AggregateJob(models, tmp_path / "out", start=start), dataclasses.replace(options, method="first_site")
     )
     merged = load_file(tmp_path / "out" / "model.safetensors")
     for name, value in base.items():

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from fedtune.aggregate import methods as merge_methods
-from fedtune.aggregate.merge import AggregateError, aggregate, main
-from fedtune.core.config import ConfigError
+from fedtune.aggregate.merge import AggregateError, AggregateJob, aggregate, main
+from fedtune.core.options import ConfigError
 from tests.test_aggregate import options as aggregate_options
 from tests.test_aggregate import read_output, write_checkpoint
 
@@ -73,13 +73,14 @@ def test_two_rounds_equal_the_update_rule(tmp_path, optimizer):
         models = {s: write_checkpoint(tmp_path / f"r{r}-{s}", t) for s, t in zip("ab", sites, strict=True)}
         state_out = tmp_path / f"round-{r}" / "server_state"
         aggregate(
-            models,
-            tmp_path / f"round-{r}" / "model",
-            # Small shards: a tensor's m and v land in different state files.
+            AggregateJob(
+                models,
+                tmp_path / f"round-{r}" / "model",
+                start=start,
+                server_state_in=state_in,
+                server_state_out=state_out,
+            ),
             aggregate_options(weights={"a": 1, "b": 3}, max_shard_size="400B", server_optimizer=options),
-            start=start,
-            server_state_in=state_in,
-            server_state_out=state_out,
         )
         merged = read_output(tmp_path / f"round-{r}" / "model")
         for n in NAMES:
@@ -127,16 +128,16 @@ def test_fedexp_extrapolates_as_far_as_the_sites_updates_pull_apart(tmp_path, sp
         deltas.append(d)
     models = {s: write_checkpoint(tmp_path / s, {"w": d}) for s, d in zip("abcd", deltas, strict=True)}
     record = aggregate(
-        models,
-        tmp_path / "model",
+        AggregateJob(models, tmp_path / "model", start=start),
         aggregate_options(weights="uniform", server_optimizer={"name": "fedexp"}),
-        start=start,
     )
     mean = sum(deltas) / 4
     torch.testing.assert_close(read_output(tmp_path / "model")["w"], eta * mean, rtol=1e-6, atol=1e-7)
     assert record["server_optimizer"]["extrapolation"]["max"] == pytest.approx(eta)
     # Plain FedAvg on the same sites is the mean: fedexp never steps shorter.
-    fedavg = aggregate(models, tmp_path / "fedavg", aggregate_options(weights="uniform"), start=start)
+    fedavg = aggregate(
+        AggregateJob(models, tmp_path / "fedavg", start=start), aggregate_options(weights="uniform")
+    )
     assert "extrapolation" not in fedavg.get("server_optimizer", {})
     torch.testing.assert_close(read_output(tmp_path / "fedavg")["w"], mean, rtol=1e-6, atol=1e-7)
 
@@ -148,11 +149,13 @@ def test_server_optimizer_composes_with_ties(tmp_path):
     models = {s: write_checkpoint(tmp_path / s, t) for s, t in zip("ab", sites, strict=True)}
     options = OPTIONS["fedadam"]
     aggregate(
-        models,
-        tmp_path / "out",
+        AggregateJob(
+            models,
+            tmp_path / "out",
+            start=write_checkpoint(tmp_path / "base", base),
+            server_state_out=tmp_path / "state",
+        ),
         aggregate_options(weights="uniform", method="ties", density=0.4, server_optimizer=options),
-        start=write_checkpoint(tmp_path / "base", base),
-        server_state_out=tmp_path / "state",
     )
     merged = read_output(tmp_path / "out")
     for n in NAMES:
@@ -171,11 +174,8 @@ def first_round(tmp_path, options):
     start = write_checkpoint(tmp_path / "base", base)
     models = {s: write_checkpoint(tmp_path / s, near(base, g)) for s in "ab"}
     aggregate(
-        models,
-        tmp_path / "r1",
+        AggregateJob(models, tmp_path / "r1", start=start, server_state_out=tmp_path / "state1"),
         aggregate_options(weights="uniform", server_optimizer=options),
-        start=start,
-        server_state_out=tmp_path / "state1",
     )
     return models, tmp_path / "r1"
 
@@ -184,12 +184,14 @@ def test_state_of_another_optimizer_or_a_damaged_state_is_refused(tmp_path):
     models, r1 = first_round(tmp_path, OPTIONS["fedadam"])
     with pytest.raises(AggregateError, match="written by server optimizer 'fedadam', not 'fedyogi'"):
         aggregate(
-            models,
-            tmp_path / "r2",
+            AggregateJob(
+                models,
+                tmp_path / "r2",
+                start=r1,
+                server_state_in=tmp_path / "state1",
+                server_state_out=tmp_path / "state2",
+            ),
             aggregate_options(weights="uniform", server_optimizer=OPTIONS["fedyogi"]),
-            start=r1,
-            server_state_in=tmp_path / "state1",
-            server_state_out=tmp_path / "state2",
         )
     state_file = tmp_path / "state1" / "model.safetensors"
     data = bytearray(state_file.read_bytes())
@@ -227,10 +229,8 @@ def test_bad_server_options_fail_before_reading(tmp_path):
             aggregate_options(weights="uniform", server_optimizer=options)
     with pytest.raises(AggregateError, match="--server-state-out is needed"):
         aggregate(
-            {"a": tmp_path / "a"},
-            tmp_path / "out",
+            AggregateJob({"a": tmp_path / "a"}, tmp_path / "out", start=tmp_path),
             aggregate_options(weights="uniform", server_optimizer={"name": "fedadam"}),
-            start=tmp_path,
         )
 
 
@@ -246,8 +246,10 @@ def test_a_start_model_in_another_float_dtype_is_taken(tmp_path):
         for s, m in sites.items()
     }
     out = tmp_path / "out"
-    aggregate(models, out, aggregate_options(weights="uniform", dtype="float32"), start=start,
-              server_state_out=tmp_path / "state")  # fmt: skip
+    aggregate(
+        AggregateJob(models, out, start=start, server_state_out=tmp_path / "state"),
+        aggregate_options(weights="uniform", dtype="float32"),
+    )
     got = read_output(out)
     for name in NAMES:
         start_value = base[name].to(torch.float16).float()
@@ -256,5 +258,7 @@ def test_a_start_model_in_another_float_dtype_is_taken(tmp_path):
     # A site in another dtype than the first site is still refused.
     models["b"] = write_checkpoint(tmp_path / "b16", {n: t.to(torch.float16) for n, t in sites["b"].items()})
     with pytest.raises(AggregateError, match="tensor dtypes differ"):
-        aggregate(models, tmp_path / "out2", aggregate_options(weights="uniform"), start=start,
-                  server_state_out=tmp_path / "state2")  # fmt: skip
+        aggregate(
+            AggregateJob(models, tmp_path / "out2", start=start, server_state_out=tmp_path / "state2"),
+            aggregate_options(weights="uniform"),
+        )

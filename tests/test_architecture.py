@@ -19,7 +19,7 @@ def imported_fedtune_modules(path: Path) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             if node.module == "fedtune" or node.module.startswith("fedtune."):
-                # `from fedtune.core import cli` names a module; `from fedtune.core.config import X` a name
+                # `from fedtune.core import cli` names a module; `from fedtune.run.config import X` a name
                 # (import_graph keeps only what is a module).
                 found.add(node.module)
                 found |= {f"{node.module}.{alias.name}" for alias in node.names}
@@ -67,7 +67,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def options_modules() -> list[str]:
-    """The stages' options modules (fedtune/<stage>/options.py), which core.config composes."""
+    """The stages' options modules (fedtune/<stage>/options.py), which run.config composes."""
     return sorted(m for m in package_modules() if m.endswith(".options") and m != "fedtune.core.options")
 
 
@@ -88,6 +88,7 @@ def test_options_modules_import_only_core_options_and_never_torch():
     graph = import_graph()
     stages = options_modules()
     required = {
+        "fedtune.download.options",
         "fedtune.tokenize.options",
         "fedtune.train.options",
         "fedtune.aggregate.options",
@@ -95,23 +96,28 @@ def test_options_modules_import_only_core_options_and_never_torch():
     }
     assert required <= set(stages)
     for module in stages:
-        assert graph[module] == {"fedtune.core.options"}, (module, graph[module])
-    # core.config composes them, and holds nothing else of fedtune but the data-file check, a leaf that
-    # reads a local file for the dry run.
+        # Besides: download's dataset check reads a local data file for the dry run (core.data_files, a leaf).
+        data_files = {"fedtune.core.data_files"} if module == "fedtune.download.options" else set()
+        allowed = {"fedtune.core.options", *data_files}
+        assert graph[module] == allowed, (module, graph[module])
     assert graph["fedtune.core.data_files"] == set()
-    assert graph["fedtune.core.config"] == {"fedtune.core.options", "fedtune.core.data_files", *stages} - {
-        "fedtune.download.options"
-    }
-    loaded = loaded_modules("fedtune.core.config", *stages)
+    # run.config composes them, above the stages; what it reads besides is core's settings that no stage
+    # owns, and the run's sweep and pooled trainings. None of it loads torch.
+    assert set(stages) <= graph["fedtune.run.config"]
+    loaded = loaded_modules("fedtune.run.config", *stages)
     assert "torch" not in loaded and "transformers" not in loaded
     fedtune = [m for m in loaded if m.split(".")[0] == "fedtune"]
     packages = {m.rsplit(".", 1)[0] for m in stages}
+    core = ["options", "data_files", "config_files", "durations", "exchange_options", "lm_eval_tasks"]
+    core += ["participation", "remotes", "residency", "smoke", "tracking_options"]
     assert set(fedtune) == {
         "fedtune",
         "fedtune.core",
-        "fedtune.core.config",
-        "fedtune.core.data_files",
-        "fedtune.core.options",
+        *(f"fedtune.core.{name}" for name in core),
+        "fedtune.run",
+        "fedtune.run.config",
+        "fedtune.run.pooled",
+        "fedtune.run.sweep",
         *stages,
         *packages,
     }
@@ -155,7 +161,7 @@ def test_design_module_map_matches_the_imports():
 
 
 def test_no_rule_reads_the_raw_config():
-    # Settings reach rules only as fedtune.core.config's objects (RUN); common.smk builds RUN from `config`.
+    # Settings reach rules only as fedtune.run.config's objects (RUN); common.smk builds RUN from `config`.
     rules = PACKAGE.parent / "workflow" / "rules"
     for path in [PACKAGE.parent / "Snakefile", *sorted(rules.glob("*.smk"))]:
         for number, line in enumerate(path.read_text().splitlines(), 1):
@@ -184,8 +190,6 @@ def backward_imports(graph: dict[str, set[str]], order: list[str]) -> list[str]:
     for module, targets in sorted(graph.items()):
         for target in sorted(targets):
             source, dest = module.split(".")[1], target.split(".")[1]
-            if module == "fedtune.core.config" and target.endswith(".options"):
-                continue  # the run config composes the stages' options (torch-free, tested above)
             if rank[dest] > rank[source]:
                 found.append(f"{short(module)} imports {short(target)} ({source} comes before {dest})")
     return found
@@ -205,10 +209,13 @@ def test_the_stage_order_check_sees_a_backward_import():
     assert backward_imports(graph, stage_order()) == [
         "download.fetch imports evaluate.downstream (download comes before evaluate)"
     ]
-    # core.config may compose the stages' options modules, and nothing else of theirs.
-    graph = {"fedtune.core.config": {"fedtune.train.options", "fedtune.train.loop"}}
+    # The run config composes the stages' options from above them (run.config); core may not.
+    graph = {
+        "fedtune.core.config": {"fedtune.train.options"},
+        "fedtune.run.config": {"fedtune.train.options"},
+    }
     assert backward_imports(graph, stage_order()) == [
-        "core.config imports train.loop (core comes before train)"
+        "core.config imports train.options (core comes before train)"
     ]
 
 

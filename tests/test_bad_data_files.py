@@ -10,8 +10,9 @@ import json
 import pytest
 
 from fedtune.core import data_files
-from fedtune.core.config import ConfigError, DatasetOptions
+from fedtune.core.options import ConfigError
 from fedtune.download.fetch import DownloadError, download_data
+from fedtune.download.options import DatasetOptions
 
 from .workflow_harness import demo_config, snakemake, write_config
 

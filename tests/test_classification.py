@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from fedtune.core.config import DatasetOptions, EvaluateOptions, ModelOptions
 from fedtune.core.models import CLASSIFICATION, ModelError, load_model, load_tokenizer, model_task
 from fedtune.download.fetch import DownloadError, download_data, download_model
+from fedtune.download.options import DatasetOptions, ModelOptions
+from fedtune.evaluate.options import EvaluateOptions
 from fedtune.evaluate.scores import EvalJob, EvaluateError, classification_metrics, evaluate
-from fedtune.tokenize.shards import TokenizeError, encode_examples, tokenize_shard, verify_shard
+from fedtune.tokenize.shards import ShardJob, TokenizeError, encode_examples, tokenize_shard, verify_shard
 from tests.conftest import TINY_ARCHITECTURE, corpus
 from tests.workflow_harness import planned_jobs, snakemake, write_config
 
@@ -30,7 +31,7 @@ NUM_LABELS = 3
 
 def shard_options(**values):
     """One shard of a classifier's data: the tokenize options of the workflow's classification runs."""
-    from fedtune.core.config import TokenizeOptions
+    from fedtune.tokenize.options import TokenizeOptions
 
     return TokenizeOptions.from_mapping({"shards": 1, "task": CLASSIFICATION, **values})
 
@@ -155,7 +156,7 @@ def test_a_local_model_folder_becomes_a_classifier_with_its_head_saved(tiny_mode
 
 
 def test_classification_needs_num_labels(tiny_model_dir, tmp_path):
-    from fedtune.core.config import ConfigError
+    from fedtune.core.options import ConfigError
 
     with pytest.raises(ConfigError, match="model.num_labels"):
         download_model(
@@ -220,7 +221,9 @@ def test_classification_shards_hold_one_labelled_row_per_document(classifier_dir
     labels = [i % NUM_LABELS for i in range(10)]
     DatasetDict({"train": Dataset.from_dict({"text": texts, "y": labels})}).save_to_disk(tmp_path / "raw")
     options = shard_options(block_size=16, label_field="y", template="Review: {text}")
-    counts = tokenize_shard(tmp_path / "raw", "train", 0, classifier_dir, tmp_path / "shard", options)
+    counts = tokenize_shard(
+        ShardJob(tmp_path / "raw", "train", 0, classifier_dir, tmp_path / "shard"), options
+    )
     verify_shard(tmp_path / "shard")
     assert counts["task"] == CLASSIFICATION and counts["blocks"] == counts["documents"] == 10
     assert counts["label_counts"] == {"0": 4, "1": 3, "2": 3}
@@ -247,7 +250,9 @@ def test_tokenize_refuses_labels_outside_the_models_classes(classifier_dir, tmp_
         TokenizeError,
         match=r"--options: label_field: .* row 1 has label 5, outside 0..2 \(the model has 3 classes\)",
     ):
-        tokenize_shard(tmp_path / "raw", "train", 0, classifier_dir, tmp_path / "s", shard_options())
+        tokenize_shard(
+            ShardJob(tmp_path / "raw", "train", 0, classifier_dir, tmp_path / "s"), shard_options()
+        )
     assert not (tmp_path / "s").exists()
 
 
@@ -256,7 +261,9 @@ def test_tokenize_refuses_a_base_model_that_is_no_classifier(tiny_model_dir, tmp
 
     DatasetDict({"train": Dataset.from_dict({"text": ["a"], "label": [0]})}).save_to_disk(tmp_path / "raw")
     with pytest.raises(TokenizeError, match="is not a sequence classifier"):
-        tokenize_shard(tmp_path / "raw", "train", 0, tiny_model_dir, tmp_path / "s", shard_options())
+        tokenize_shard(
+            ShardJob(tmp_path / "raw", "train", 0, tiny_model_dir, tmp_path / "s"), shard_options()
+        )
 
 
 # -- evaluate -------------------------------------------------------------------------------------------
@@ -305,8 +312,8 @@ def test_evaluate_refuses_a_missing_label_column(classifier_dir, tmp_path):
 def test_aggregation_merges_the_classification_heads(classifier_dir, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from fedtune.aggregate.merge import aggregate
-    from fedtune.core.config import AggregateOptions
+    from fedtune.aggregate.merge import AggregateJob, aggregate
+    from fedtune.aggregate.options import AggregateOptions
     from fedtune.core.models import record_checksums
 
     states = {}
@@ -319,8 +326,7 @@ def test_aggregation_merges_the_classification_heads(classifier_dir, tmp_path):
         record_checksums(tmp_path / site)
         states[site] = state
     aggregate(
-        {"alpha": tmp_path / "alpha", "beta": tmp_path / "beta"},
-        tmp_path / "out",
+        AggregateJob({"alpha": tmp_path / "alpha", "beta": tmp_path / "beta"}, tmp_path / "out"),
         AggregateOptions.from_mapping({"weights": {"alpha": 1.0, "beta": 3.0}}),
     )
     merged = load_model(tmp_path / "out", task=CLASSIFICATION)
@@ -333,7 +339,7 @@ def test_aggregation_merges_the_classification_heads(classifier_dir, tmp_path):
 
 
 def test_report_tabulates_accuracy_and_macro_f1(tmp_path):
-    from fedtune.report.build import ReportError, report
+    from fedtune.report.build import ReportError, ReportJob, report
 
     evals = []
     for rnd, model, alpha, beta in (
@@ -346,7 +352,7 @@ def test_report_tabulates_accuracy_and_macro_f1(tmp_path):
             result = {"model": model, "round": rnd, "site": site, "task": CLASSIFICATION}
             path.write_text(json.dumps({**result, "accuracy": acc, "macro_f1": acc / 2}))
             evals.append(path)
-    paths = report(tmp_path / "report", evals)
+    paths = report(ReportJob(tmp_path / "report", evals))
     table = (tmp_path / "report" / "accuracy.csv").read_text().splitlines()
     assert table[0] == "round,model,alpha,beta" and table[2] == "1,alpha,0.9,0.5"
     assert (tmp_path / "report" / "macro_f1.csv").read_text().splitlines()[2] == "1,alpha,0.45,0.25"
@@ -358,7 +364,7 @@ def test_report_tabulates_accuracy_and_macro_f1(tmp_path):
     lm = tmp_path / "lm.json"
     lm.write_text(json.dumps({"model": "base", "round": 0, "site": "alpha", "perplexity": 3.0}))
     with pytest.raises(ReportError, match="a causal-lm result among sequence-classification results"):
-        report(tmp_path / "mixed", [*evals, lm])
+        report(ReportJob(tmp_path / "mixed", [*evals, lm]))
 
 
 # -- the workflow ---------------------------------------------------------------------------------------
@@ -493,5 +499,7 @@ def test_two_classes_the_default_transformers_leaves_out_of_config_json(tmp_path
         ModelOptions.from_mapping(spec), tmp_path / "model", [{"path": str(raw)}], task=CLASSIFICATION
     )
     assert "id2label" not in json.loads((tmp_path / "model" / "config.json").read_text())
-    counts = tokenize_shard(raw, "train", 0, tmp_path / "model", tmp_path / "shard", shard_options())
+    counts = tokenize_shard(
+        ShardJob(raw, "train", 0, tmp_path / "model", tmp_path / "shard"), shard_options()
+    )
     assert counts["num_labels"] == 2 and counts["label_counts"] == {"0": 10, "1": 10}

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fedtune.core.config import ConfigError, check_config, load_config, site_train_options
+from fedtune.core.options import ConfigError
+from fedtune.run.config import check_config, load_config
+from fedtune.train.options import site_train_options
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -77,7 +79,7 @@ def test_demo_config_is_valid_and_defaults_are_filled():
 
 def schema_properties():
     """(file#path, property schema, required?) for every property of every schema file."""
-    from fedtune.core.config import SCHEMAS
+    from fedtune.core.options import SCHEMAS
 
     def walk(node, where):
         required = set(node.get("required", ()))
@@ -252,15 +254,11 @@ def test_options_objects_have_exactly_the_schema_keys():
     """A key added to a section schema but not to its object (or the reverse) fails here, not in a job."""
     import dataclasses
 
-    from fedtune.core.config import (
-        BpeOptions,
-        DatasetOptions,
-        EvaluateOptions,
-        ModelOptions,
-        TrackingOptions,
-        TrainOptions,
-        schema,
-    )
+    from fedtune.core.options import schema
+    from fedtune.core.tracking_options import TrackingOptions
+    from fedtune.download.options import BpeOptions, DatasetOptions, ModelOptions
+    from fedtune.evaluate.options import EvaluateOptions
+    from fedtune.train.options import TrainOptions
 
     definitions = schema()["$defs"]
     sections = {
@@ -290,7 +288,8 @@ def example_configs() -> list[Path]:
 def test_model_and_dataset_options_round_trip_through_their_json_form(path):
     """The download stage gets the model and each dataset as JSON (--options): the same object comes back,
     for the demo and every example config."""
-    from fedtune.core.config import MAIN_SCHEMA, DatasetOptions, ModelOptions, validate_section
+    from fedtune.core.options import MAIN_SCHEMA, validate_section
+    from fedtune.download.options import DatasetOptions, ModelOptions
 
     config = validate_section(yaml.safe_load(path.read_text()), MAIN_SCHEMA, source=str(path))
     model = ModelOptions.from_mapping(config["model"])
@@ -308,7 +307,9 @@ def test_model_and_dataset_options_round_trip_through_their_json_form(path):
 def test_the_run_config_holds_the_model_and_datasets_as_frozen_options():
     import dataclasses
 
-    from fedtune.core.config import DatasetOptions, ModelOptions, build_run_config, thaw
+    from fedtune.core.options import thaw
+    from fedtune.download.options import DatasetOptions, ModelOptions
+    from fedtune.run.config import build_run_config
 
     run = build_run_config(demo(), base_dir=ROOT)
     assert isinstance(run.model, ModelOptions) and run.model.source == "init" and run.model.name is None
@@ -332,7 +333,7 @@ def test_the_run_config_holds_the_model_and_datasets_as_frozen_options():
 
 
 def test_the_json_form_fills_defaults_and_names_what_it_refuses():
-    from fedtune.core.config import DatasetOptions, ModelOptions
+    from fedtune.download.options import DatasetOptions, ModelOptions
 
     model = ModelOptions.from_json('{"source": "hf", "name": "org/model"}')
     assert (model.revision, model.dtype, model.path, model.allow_pickle) == ("main", "float32", None, False)
@@ -351,7 +352,8 @@ def test_the_json_form_fills_defaults_and_names_what_it_refuses():
 
 
 def test_model_rules_that_need_the_task_are_checked_when_the_config_loads():
-    from fedtune.core.config import CLASSIFICATION, build_run_config
+    from fedtune.core.options import CLASSIFICATION
+    from fedtune.run.config import build_run_config
 
     config = demo()
     config["task"] = CLASSIFICATION
@@ -365,7 +367,7 @@ def test_model_rules_that_need_the_task_are_checked_when_the_config_loads():
 
 
 def test_run_config_hands_out_each_sites_merged_options():
-    from fedtune.core.config import build_run_config
+    from fedtune.run.config import build_run_config
 
     config = demo()
     config["sites"]["beta"]["train"] = {"lr": 0.01}
@@ -384,7 +386,8 @@ def test_the_scoring_jobs_options_carry_the_runs_task_and_bos_choice():
     import dataclasses
     import json
 
-    from fedtune.core.config import EvaluateOptions, build_run_config
+    from fedtune.evaluate.options import EvaluateOptions
+    from fedtune.run.config import build_run_config
 
     config = demo()
     config["tokenize"]["add_bos"] = False
@@ -399,7 +402,8 @@ def test_the_scoring_jobs_options_carry_the_runs_task_and_bos_choice():
 def test_remotes_and_the_wait_become_objects():
     """federation.remotes.<c>: a plain path is pulled; {path, transfer: push} is sent to. federation.wait:
     seconds or a number with a unit, 3 days by default."""
-    from fedtune.core.config import Remote, build_run_config
+    from fedtune.core.remotes import Remote
+    from fedtune.run.config import build_run_config
 
     config = demo()
     run = build_run_config(config, base_dir=ROOT)
@@ -419,7 +423,7 @@ def test_each_train_job_gets_the_runs_keys_from_the_sections_that_own_them():
     """model.dtype and allow_pickle, federation.rounds and lr_schedule, and whether the aggregate reads
     token counts reach a site's training in its TrainOptions (they were flags the rule built); the
     pooled baseline and a sweep point are one training of their own."""
-    from fedtune.core.config import build_run_config
+    from fedtune.run.config import build_run_config
     from tests.workflow_harness import demo_config
 
     config = demo_config()

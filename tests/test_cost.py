@@ -140,12 +140,13 @@ def test_a_two_cluster_round_under_slurm(tmp_path, monkeypatch):
     _fake_sacct(tmp_path / "bin")
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
     monkeypatch.chdir(tmp_path)  # the workflow's directory: a fetch's --out is relative to it
-    paths = cost.cost_report(
+    job = cost.CostJob(
         run, run / "report", settings={"cluster": "karolina", "sites": {"alpha": {"cluster": "karolina"},
                                                                       "beta": {"cluster": "leonardo"}}},
         crossings=[cost.CrossingItem(1, "leonardo", "karolina", "round-1/beta/model"),
                    cost.CrossingItem(1, "karolina", "leonardo", "round-1/aggregate/model")],
     )  # fmt: skip
+    paths = cost.cost_report(job)
     table = pd.read_csv(paths["cost.csv"]).set_index(["round", "cluster"])
     row = table.loc[(1, "karolina")]
     assert row["bytes_received"] == 1024 and row["bytes_sent"] == 300
@@ -191,8 +192,10 @@ def test_the_other_clusters_accounting_comes_as_its_own_table(tmp_path, monkeypa
     training.write_text(json.dumps({"wall_time_s": 3400.0, "tokens_seen": 100}))
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))
     settings = {"cluster": "leo", "sites": {"alpha": {"cluster": "leo"}, "beta": {"cluster": "karo"}}}
-    paths = cost.cost_report(leo, leo / "report", settings=settings, remote_jobs=[part],
-                             training=[(2, "beta", training)])  # fmt: skip
+    job = cost.CostJob(
+        leo, leo / "report", settings=settings, training=[(2, "beta", training)], remote_jobs=[part]
+    )
+    paths = cost.cost_report(job)
     table = pd.read_csv(paths["cost.csv"]).set_index(["round", "cluster"])
     # Job 101 (sacct: 1 h x 2 nodes) shared by the scoring of round 1 and the training of round 2.
     assert table.loc[(1, "karo")]["evaluation_s"] == 150
@@ -204,7 +207,7 @@ def test_the_other_clusters_accounting_comes_as_its_own_table(tmp_path, monkeypa
     bad = leo / "bad.csv"
     bad.write_text("round,cluster\n1,karo\n")
     with pytest.raises(cost.ReportError, match="bad.csv: no column stage"):
-        cost.cost_report(leo, leo / "report", settings=settings, remote_jobs=[bad])
+        cost.cost_report(cost.CostJob(leo, leo / "report", settings=settings, remote_jobs=[bad]))
 
 
 def test_a_local_run_counts_wall_time_times_processes(tmp_path, monkeypatch):
@@ -220,7 +223,7 @@ def test_a_local_run_counts_wall_time_times_processes(tmp_path, monkeypatch):
         path.write_text(json.dumps({"model": model, "round": rnd, "site": "alpha", "perplexity": value}))
         evals.append(path)
     monkeypatch.setenv("PATH", str(tmp_path))  # no sacct, and none needed: no Slurm job
-    paths = cost.cost_report(run, run / "report", evals=evals)
+    paths = cost.cost_report(cost.CostJob(run, run / "report", evals=evals))
     table = pd.read_csv(paths["cost.csv"])
     assert list(table["round"]) == [1, 2] and set(table["cluster"]) == {"local"}
     assert list(table["node_hours"]) == pytest.approx([0.2 + 0.01, 0.2 + 0.01])
@@ -281,10 +284,10 @@ def test_cli_refuses_a_bad_crossing(tmp_path):
 
 def test_a_compressed_exchange_counts_each_update_both_ways(tmp_path, monkeypatch):
     """federation.exchange int8, the aggregating cluster's view: what the report rule passes as crossings
-    (fedtune.core.crossings) is beta's update up and the aggregate's update back, and the table counts
+    (fedtune.run.crossings) is beta's update up and the aggregate's update back, and the table counts
     each as its update's files, never the model folders beside them."""
-    from fedtune.core.config import build_run_config
-    from fedtune.core.crossings import crossing_items
+    from fedtune.run.config import build_run_config
+    from fedtune.run.crossings import crossing_items
 
     from .test_data_stays import two_clusters
 
@@ -319,7 +322,7 @@ def test_a_compressed_exchange_counts_each_update_both_ways(tmp_path, monkeypatc
     )
     monkeypatch.setenv("PATH", str(tmp_path))  # no sacct: no Slurm job here
     settings = {"cluster": "leo", "sites": {"alpha": {"cluster": "leo"}, "beta": {"cluster": "karo"}}}
-    paths = cost.cost_report(run, run / "report", settings=settings, crossings=crossings)
+    paths = cost.cost_report(cost.CostJob(run, run / "report", settings=settings, crossings=crossings))
     table = pd.read_csv(paths["cost.csv"]).set_index(["round", "cluster"])
     assert table.loc[(1, "leo"), "transfer_s"] == 30
     assert table.loc[(1, "leo"), "bytes_received"] == 2_641 and table.loc[(1, "leo"), "bytes_sent"] == 2_701

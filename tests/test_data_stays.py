@@ -10,7 +10,10 @@ from html import unescape
 
 import pytest
 
-from fedtune.core.config import ConfigError, DatasetOptions, build_run_config, data_lines, data_read_on
+from fedtune.core.options import ConfigError
+from fedtune.core.residency import data_lines, data_read_on
+from fedtune.download.options import DatasetOptions
+from fedtune.run.config import build_run_config
 
 from .test_report import write_evals
 from .workflow_harness import demo_config, dry_run, snakemake, write_config
@@ -113,12 +116,12 @@ def test_a_tokenizer_built_from_a_private_sites_text_on_every_cluster_is_refused
 
 
 def test_the_report_says_where_each_sites_text_was_read(tmp_path):
-    from fedtune.report.build import report
+    from fedtune.report.build import ReportJob, report
 
     config = two_clusters(private=("beta",), aggregate_on="karo")
     config["evaluate"] = {"cross_site": "text_to_models"}
     run = build_run_config(config)
-    paths = report(tmp_path / "report", write_evals(tmp_path), settings=run.raw)
+    paths = report(ReportJob(tmp_path / "report", write_evals(tmp_path), settings=run.raw))
     page = unescape(paths["settings_html"].read_text())
     assert (
         "<p>Where each site's text was read (sites.<site>.dataset.shareable):<br>"

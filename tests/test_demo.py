@@ -17,7 +17,7 @@ import pandas as pd
 import pytest
 from PIL import Image
 
-from fedtune.core.config import EvaluateOptions
+from fedtune.evaluate.options import EvaluateOptions
 
 from . import report_browser
 from .workflow_harness import ROOT, demo_config, dry_run, snakemake, write_config

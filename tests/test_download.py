@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 from datasets import load_from_disk
 
-from fedtune.core.config import ConfigError, DatasetOptions, ModelOptions, UserError
 from fedtune.core.models import ModelError, load_causal_lm, load_tokenizer
+from fedtune.core.options import ConfigError, UserError
 from fedtune.download.fetch import DownloadError, download_data, download_model
+from fedtune.download.options import DatasetOptions, ModelOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from hub_download import hub_cache  # noqa: E402

@@ -16,7 +16,10 @@ from collections import Counter
 
 import pytest
 
-from fedtune.core.config import ConfigError, EvaluateOptions, build_run_config, downstream_tasks
+from fedtune.core.lm_eval_tasks import downstream_tasks
+from fedtune.core.options import ConfigError
+from fedtune.evaluate.options import EvaluateOptions
+from fedtune.run.config import build_run_config
 
 from .workflow_harness import ROOT, demo_config, dry_run, snakemake, write_config
 
@@ -148,16 +151,18 @@ def test_a_task_lm_eval_cannot_load_fails_the_download_and_leaves_no_folder(tmp_
 
 @needs_lm_eval
 def test_unknown_task_and_missing_folder_are_named(tiny_model_dir, tmp_path):
-    from fedtune.evaluate.downstream import DownstreamError, read_tasks_dir, run_tasks
+    from fedtune.evaluate.downstream import DownstreamError, TaskJob, read_tasks_dir, run_tasks
 
     with pytest.raises(DownstreamError, match="--tasks: unknown .*no_such_task"):
         run_tasks(
-            tiny_model_dir, ["no_such_task"], include_path=[ROOT / "workflow" / "tasks"], registry=False
+            TaskJob(
+                tiny_model_dir, ["no_such_task"], include_path=[ROOT / "workflow" / "tasks"], registry=False
+            )
         )
     with pytest.raises(DownstreamError, match="--include-path: .*nowhere"):
-        run_tasks(tiny_model_dir, ["fedtune_demo_alpha"], include_path=[tmp_path / "nowhere"])
+        run_tasks(TaskJob(tiny_model_dir, ["fedtune_demo_alpha"], include_path=[tmp_path / "nowhere"]))
     with pytest.raises(DownstreamError, match="--model: .*holds no config.json"):
-        run_tasks(tmp_path, ["fedtune_demo_alpha"])
+        run_tasks(TaskJob(tmp_path, ["fedtune_demo_alpha"]))
     with pytest.raises(DownstreamError, match="holds no tasks.json: the download stage"):
         read_tasks_dir(tmp_path)
 

@@ -12,7 +12,8 @@ import random
 import pytest
 import torch
 
-from fedtune.core.config import ConfigError, EvaluateOptions
+from fedtune.core.options import ConfigError
+from fedtune.evaluate.options import EvaluateOptions
 from fedtune.evaluate.scores import EvalJob, EvaluateError, Window, build_stream, evaluate, score, windows
 
 TEMPLATE = "Scrivi: {text}"

@@ -11,10 +11,10 @@ import os
 import subprocess
 import sys
 
-from fedtune.core import scoring
-from fedtune.core.config import build_run_config
-from fedtune.core.crossings import crossing_items, score_crossings
 from fedtune.core.transfer import mark
+from fedtune.run import scoring
+from fedtune.run.config import build_run_config
+from fedtune.run.crossings import crossing_items, score_crossings
 
 from .test_data_stays import two_clusters
 

@@ -1,5 +1,5 @@
 """Every example config in config/examples/ runs, scaled down, through the whole workflow on CPU: its twin
-(tests/support/twins.py) changes only sizes and locations, and the twin's run trains with the example's backend,
+(fedtune/tools/twin.py) changes only sizes and locations, and the twin's run trains with the example's backend,
 sharding and ZeRO stage, beats the base model on every site's own test set, and reports."""
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ import pytest
 import torch
 import yaml
 
-from fedtune.aggregate.merge import aggregate
-from fedtune.core.config import AggregateOptions, build_run_config, check_config
-from tests.support.twins import differences, make_twin
+from fedtune.aggregate.merge import AggregateJob, aggregate
+from fedtune.aggregate.options import AggregateOptions
+from fedtune.run.config import build_run_config, check_config
+from fedtune.tools.twin import differences, make_twin
 from tests.test_aggregate import read_output, write_manifest
 from tests.test_vocab_rows import COUNTS, ROWS, sites_with_counts
 
@@ -32,7 +33,7 @@ RECOMMENDED = ROOT / "config" / "examples" / "llama2-it-cs-recommended.yaml"
 # defaults), and how the same epoch is cut into rounds.
 RECOMMENDED_CHANGES = {"run", "aggregate.server_optimizer.name", "aggregate.server_optimizer.lr",
                        "aggregate.vocab_rows", "aggregate.vocab_step", "federation.rounds", "train.epochs",
-                       "federation.remotes.karolina.path"}  # fmt: skip
+                       "federation.remotes.karolina.path", "federation.remotes.karolina.push_path"}  # fmt: skip
 
 # An example from a GGUF file names a real, small model on this machine: it runs itself, cut down
 # (tests/test_smollm2.py), rather than a twin with a random stand-in. The recommended Llama-2 example is
@@ -126,8 +127,16 @@ def test_the_published_example_merges_by_the_plain_weighted_mean(tmp_path):
     manifests = {
         site: write_manifest(tmp_path / f"{site}.json", site, n) for site, n in (("a", 100), ("b", 300))
     }
-    record = aggregate(models, tmp_path / "merged", options, manifests=manifests, start=start,
-                       server_state_out=tmp_path / "server_state")  # fmt: skip
+    record = aggregate(
+        AggregateJob(
+            models,
+            tmp_path / "merged",
+            manifests=manifests,
+            start=start,
+            server_state_out=tmp_path / "server_state",
+        ),
+        options,
+    )
     assert "server_optimizer" not in record and "start" not in record, record
     assert record["vocab_rows"]["tensors"] == [] and record["weights"]["normalised"] == {"a": 0.25, "b": 0.75}
     merged = read_output(tmp_path / "merged")

@@ -14,12 +14,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fedtune.aggregate.merge import aggregate
+from fedtune.aggregate.merge import AggregateJob, aggregate
 from fedtune.aggregate.merge import main as merge_main
+from fedtune.aggregate.options import AggregateOptions
 from fedtune.core import exchange
-from fedtune.core.config import AggregateOptions, ConfigError, ExchangeOptions
+from fedtune.core.exchange_options import ExchangeOptions
 from fedtune.core.models import ModelError, record_checksums
-from fedtune.core.updates import compress, decode_folder
+from fedtune.core.options import ConfigError
+from fedtune.core.updates import CompressJob, compress, decode_folder
 
 from .test_aggregate import random_tensors, read_output, write_checkpoint
 from .test_config import ROOT, demo
@@ -111,7 +113,7 @@ def test_error_feedback_makes_the_sum_of_sent_updates_converge_to_the_true_sum(t
             start, site = start_and_site(work, seed=r, step=1e-2)
             out = work / "update"
             residual_out = work / "residual" if feedback else None
-            compress(site, start, out, options, residual_in=residual, residual_out=residual_out)
+            compress(CompressJob(site, start, out, residual_in=residual, residual_out=residual_out), options)
             residual = residual_out
             decode_folder(out, start, work / "rebuilt")
             starts, sites, rebuilt = (
@@ -154,7 +156,7 @@ def test_the_merge_of_updates_equals_the_merge_of_the_models_they_rebuild(tmp_pa
     write_checkpoint(site_b, tensors)
     options = ExchangeOptions(dtype="int8")
     for name, site in (("a", site_a), ("b", site_b)):
-        compress(site, start, tmp_path / f"update-{name}", options)
+        compress(CompressJob(site, start, tmp_path / f"update-{name}"), options)
         decode_folder(tmp_path / f"update-{name}", start, tmp_path / f"rebuilt-{name}")
     updates = {s: tmp_path / f"update-{s}" for s in "ab"}
     rebuilt = {s: tmp_path / f"rebuilt-{s}" for s in "ab"}
@@ -164,7 +166,7 @@ def test_the_merge_of_updates_equals_the_merge_of_the_models_they_rebuild(tmp_pa
         for tag, models in (("u", updates), ("r", rebuilt)):
             out = tmp_path / f"merged-{tag}-{state}"
             kwargs = {"server_state_out": tmp_path / f"state-{tag}"} if state else {}
-            record = aggregate(models, out, options_, start=start, **kwargs)
+            record = aggregate(AggregateJob(models, out, start=start, **kwargs), options_)
             outs.append(read_output(out))
             if tag == "u":
                 assert record["inputs"][0]["bytes"] == (updates["a"] / "model.safetensors").stat().st_size
@@ -176,12 +178,12 @@ def test_the_merge_of_updates_equals_the_merge_of_the_models_they_rebuild(tmp_pa
 def test_a_corrupted_update_is_refused_naming_its_file(tmp_path):
     start, site = start_and_site(tmp_path)
     update = tmp_path / "round-1" / "beta" / "update"
-    compress(site, start, update, ExchangeOptions(dtype="int8"))
+    compress(CompressJob(site, start, update), ExchangeOptions(dtype="int8"))
     data = bytearray((update / "model.safetensors").read_bytes())
     data[-3] ^= 0xFF
     (update / "model.safetensors").write_bytes(bytes(data))
     with pytest.raises(ModelError, match=r"round-1/beta/update/model.safetensors: sha256 differs"):
-        aggregate({"beta": update}, tmp_path / "out", UNIFORM, start=start)
+        aggregate(AggregateJob({"beta": update}, tmp_path / "out", start=start), UNIFORM)
     assert not (tmp_path / "out").exists()
     with pytest.raises(ModelError, match=r"round-1/beta/update/model.safetensors: sha256 differs"):
         decode_folder(update, start, tmp_path / "rebuilt")
@@ -198,13 +200,13 @@ def test_an_update_against_another_start_model_is_refused(tmp_path, capsys, monk
     start, site = start_and_site(tmp_path, 0)
     other, _ = start_and_site(tmp_path, 1)
     update = tmp_path / "round-2" / "beta" / "update"
-    compress(site, start, update, ExchangeOptions(dtype="int4"))
+    compress(CompressJob(site, start, update), ExchangeOptions(dtype="int4"))
     identity = exchange.start_identity(start)["identity"]
     with pytest.raises(
         exchange.ExchangeError,
         match=rf"site beta: the update {update} was taken against start model {identity}",
     ):
-        aggregate({"beta": update}, tmp_path / "out", UNIFORM, start=other)
+        aggregate(AggregateJob({"beta": update}, tmp_path / "out", start=other), UNIFORM)
     argv = ["--out", str(tmp_path / "out"), "--model", f"beta={update}", "--options", UNIFORM.to_json()]
     capsys.readouterr()
     assert merge_main([*argv, "--start", str(other)]) == 2
@@ -218,8 +220,8 @@ def test_an_update_against_another_start_model_is_refused(tmp_path, capsys, monk
 
 
 def test_the_setting_its_default_and_what_crosses():
-    from fedtune.core.config import build_run_config
-    from fedtune.core.crossings import crossing_items
+    from fedtune.run.config import build_run_config
+    from fedtune.run.crossings import crossing_items
 
     config = demo()
     assert build_run_config(config, base_dir=ROOT).exchange == ExchangeOptions()
@@ -251,7 +253,7 @@ def test_the_report_counts_the_update_as_what_the_site_sent(tmp_path):
     model = tmp_path / "round-1" / "a" / "model"
     shutil.copytree(site, model)
     assert sent_folder(model) == model
-    compress(model, start, model.parent / "update", ExchangeOptions(dtype="int4"))
+    compress(CompressJob(model, start, model.parent / "update"), ExchangeOptions(dtype="int4"))
     assert sent_folder(model) == model.parent / "update"
     assert folder_bytes(sent_folder(model)) < folder_bytes(model) + 8192
 
@@ -266,7 +268,10 @@ def test_the_aggregate_goes_back_as_an_update_rebuilt_bit_for_bit_on_every_clust
     shutil.copytree(previous, copy)
     options = ExchangeOptions(dtype="int8")
     update, residual = tmp_path / "round-2" / "aggregate" / "update", tmp_path / "round-2" / "residual"
-    compress(merged, previous, update, options, residual_out=residual, label="the aggregate of round 2")
+    compress(
+        CompressJob(merged, previous, update, residual_out=residual, label="the aggregate of round 2"),
+        options,
+    )
     decode_folder(update, previous, tmp_path / "leo-next")
     decode_folder(update, copy, tmp_path / "karo-next")
     leo, karo = (

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fedtune.core.config import AggregateOptions
+from fedtune.aggregate.options import AggregateOptions
 from tests.test_aggregate import write_manifest
 from tests.test_vocab_rows import sites_with_counts
 
@@ -128,7 +128,7 @@ def test_benchmark_exchange_is_the_workflows_codec_bit_for_bit(tmp_path, tiny_mo
     from safetensors.torch import load_file
 
     from fedtune.core import updates
-    from fedtune.core.config import ExchangeOptions
+    from fedtune.core.exchange_options import ExchangeOptions
     from fedtune.core.models import load_causal_lm, load_tokenizer, save_model
 
     model, tokenizer = load_causal_lm(tiny_model_dir), load_tokenizer(tiny_model_dir)

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedtune.core.config import TrainOptions
 from fedtune.tokenize.blocks import BlockOrder
 from fedtune.train.loop import RoundPlan
+from fedtune.train.options import TrainOptions
 from tests.train_runs import BASE_OPTIONS, REFERENCE_OPTIONS, losses, run_training, weights
 
 pytest_plugins = ["tests.train_fixtures"]

@@ -8,7 +8,8 @@ from collections import Counter
 
 import pytest
 
-from fedtune.core.config import ConfigError, build_run_config
+from fedtune.core.options import ConfigError
+from fedtune.run.config import build_run_config
 
 from .workflow_harness import demo_config, dry_run, write_config
 

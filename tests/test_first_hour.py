@@ -13,14 +13,11 @@ import sys
 import pytest
 import yaml
 
-from fedtune.core.config import (
-    build_run_config,
-    cluster_profile_problem,
-    configfile_problem,
-    placeholder_problem,
-    profile_clusters,
-)
-from fedtune.core.options import RESERVED_SITE_NAMES
+from fedtune.core.clusters import site_clusters
+from fedtune.core.config_files import configfile_problem
+from fedtune.core.options import RESERVED_SITE_NAMES, ConfigError
+from fedtune.run.config import build_run_config
+from fedtune.run.start_checks import cluster_profile_problem, placeholder_problem, profile_clusters
 
 from .test_start_errors import printed, refused
 from .workflow_harness import ROOT, VENV_BIN, demo_config, snakemake, write_config
@@ -33,9 +30,8 @@ EXAMPLES = sorted((ROOT / "config" / "examples").glob("llama2-*.yaml"))
 
 
 def test_the_cluster_profiles_are_those_that_set_a_cluster():
-    assert profile_clusters(ROOT / "profiles") == {
-        "iris": "iris", "karolina": "karolina", "leonardo": "leonardo", "meluxina": "meluxina",
-    }  # fmt: skip
+    """Each GPU cluster's file (scripts/clusters/<name>.sh) has its profile, profiles/<name>, which sets it."""
+    assert profile_clusters(ROOT / "profiles") == {name: name for name in site_clusters()}
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda path: path.stem)
@@ -81,7 +77,7 @@ def test_the_llama2_example_on_profiles_local_is_refused_at_its_dry_run(tmp_path
 
 
 def test_the_rehearsal_without_sshd_says_what_to_install_and_installs_nothing(monkeypatch, capsys, tmp_path):
-    from tests.support import rehearsal
+    from fedtune.tools import rehearsal
 
     monkeypatch.setattr(rehearsal, "find_sshd", lambda: None)
 
@@ -98,11 +94,14 @@ def test_the_rehearsal_without_sshd_says_what_to_install_and_installs_nothing(mo
 
 def test_the_rehearsal_never_calls_apt_get():
     """The one apt-get of the test harness (tests/ssh_harness.py, for CI) is not on the rehearsal's path:
-    the rehearsal checks for sshd itself, first."""
-    source = (ROOT / "tests" / "support" / "rehearsal.py").read_text()
-    assert 'apt-get", "install' not in source and '["apt-get"' not in source
+    the rehearsal checks for sshd itself, first, and its sshd (fedtune.tools.local_sshd) installs nothing."""
+    tools = ROOT / "fedtune" / "tools"
+    for path in (tools / "rehearsal.py", tools / "local_sshd.py"):
+        source = path.read_text()
+        assert 'apt-get", "install' not in source and '["apt-get"' not in source, path
+    source = (tools / "rehearsal.py").read_text()
     main = source[source.index("def main(") :]
-    assert main.index("find_sshd() is None") < main.index("start_sshd(")
+    assert main.index("sshd = find_sshd()") < main.index("if sshd is None") < main.index("start_sshd(")
 
 
 SNAKEMAKE_LOG = """\
@@ -128,14 +127,14 @@ rule train:
 
 
 def test_the_rehearsal_shows_each_controllers_progress():
-    from tests.support.rehearsal import progress
+    from fedtune.tools.rehearsal import progress
 
     assert progress("leo", "Building DAG of jobs...\n") is None
     assert progress("leo", SNAKEMAKE_LOG) == "leo: 1 of 41 jobs done; latest: train (round=1, site=it)"
 
 
 def test_the_rehearsal_prints_a_line_whenever_a_controller_moves_on(tmp_path, capsys):
-    from tests.support.rehearsal import wait_showing_progress
+    from fedtune.tools.rehearsal import wait_showing_progress
 
     class Finished:
         def poll(self):
@@ -236,13 +235,18 @@ def test_an_uncached_hub_model_offline_is_named_and_the_machine_called_offline(o
 
 
 def test_the_docs_list_every_profile_a_path_takes():
-    """A wrong profile name gets Snakemake's own message, printed before any fedtune code runs; the README
-    and docs/running.md list the profiles instead."""
+    """A wrong profile name gets Snakemake's own message, printed before any fedtune code runs; docs/running.md
+    lists the profiles instead, and the README this machine's two and `profiles/<cluster>` with a link there
+    (a new cluster is listed once: docs/design.md, "Adding a cluster")."""
     profiles = sorted(path.parent.name for path in (ROOT / "profiles").glob("*/config.yaml"))
     for doc in ("README.md", "docs/running.md"):
         text = (ROOT / doc).read_text()
         listed = set(re.findall(r"`profiles/([\w-]+)`", text)) | set(re.findall(r"`([\w-]+)`", text))
-        assert set(profiles) <= listed, (doc, set(profiles) - listed)
+        wanted = set(profiles)
+        if doc == "README.md":
+            assert "`profiles/<cluster>` for each cluster (listed in [docs/running.md]" in text
+            wanted = {"local", "slurm-local"}
+        assert wanted <= listed, (doc, wanted - listed)
         assert "no profile.yaml (or config.yaml) found" in text, doc
 
 
@@ -256,12 +260,18 @@ def test_the_examples_placeholder_remote_is_refused_where_it_would_be_used():
     assert (
         "a placeholder, which leonardo logs into" in message and "README.md, Quick start, step 2" in message
     )
-    config["federation"]["remotes"]["karolina"]["path"] = "jdoe@karolina.it4i.cz:/scratch/project/open-33-7/r"
+    # The push key's Host alias (push_path) names the same folder: editing path alone is refused, naming it.
+    karolina = config["federation"]["remotes"]["karolina"]
+    karolina["path"] = "jdoe@karolina.it4i.cz:/scratch/project/open-33-7/r"
+    with pytest.raises(ConfigError, match="federation.remotes.karolina.push_path: .* another folder"):
+        build_run_config({**config, "cluster": "leonardo"}, base_dir=ROOT)
+    karolina["push_path"] = "jdoe@karolina-push:/scratch/project/open-33-7/r"
     edited = build_run_config({**config, "cluster": "leonardo"}, base_dir=ROOT)
     assert placeholder_problem(edited, ["karolina"], "x") is None
     # The tests' own remotes are no placeholders.
+    del karolina["push_path"]
     for path in ("me@leo:/run", "me@karo:/scratch/results/demo", "fedtune@127.0.0.1:/tmp/run"):
-        config["federation"]["remotes"]["karolina"]["path"] = path
+        karolina["path"] = path
         run = build_run_config({**config, "cluster": "leonardo"}, base_dir=ROOT)
         assert placeholder_problem(run, ["karolina"], "x") is None, path
 

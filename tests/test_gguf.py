@@ -13,7 +13,8 @@ import sys
 import numpy as np
 import pytest
 
-from fedtune.core.config import ConfigError, check_config
+from fedtune.core.options import ConfigError
+from fedtune.run.config import check_config
 
 from .conftest import ROOT
 from .workflow_harness import demo_config

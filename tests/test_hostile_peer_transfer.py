@@ -17,8 +17,21 @@ from pathlib import Path
 import pytest
 
 from fedtune.core import transfer
-from fedtune.core.config import ConfigError, build_run_config
-from fedtune.core.transfer import Link, TransferError, fetch, mark, marker_path, push, receive
+from fedtune.core.options import ConfigError
+from fedtune.core.transfer import (
+    FetchJob,
+    Link,
+    PushJob,
+    ReceiveJob,
+    TransferError,
+    WaitOptions,
+    fetch,
+    mark,
+    marker_path,
+    push,
+    receive,
+)
+from fedtune.run.config import build_run_config
 
 from .ssh_harness import GATE, restrict, start_sshd, stop_sshd
 from .workflow_harness import ROOT, demo_config, dry_run, write_config
@@ -93,7 +106,7 @@ def test_a_fetched_folder_with_a_link_or_a_fifo_is_refused_naming_it(tmp_path, k
     crafted(peer, {"config.json": b"{}"}, listed)
     out = tmp_path / "leo" / "run" / "round-1" / "cs" / "model"
     with pytest.raises(TransferError, match=r"not a regular file|skipping non-regular file") as error:
-        fetch(str(peer), out, label="cs's model of round 1 from karo")
+        fetch(FetchJob(str(peer), out), WaitOptions(label="cs's model of round 1 from karo"))
     name = {"directory link to /etc": "etc", "FIFO": "pipe", "file link to a local file": "model.safetensors"}
     assert name[kind] in str(error.value) and "failed verification 3 times" in str(error.value)
     assert not out.exists()
@@ -120,7 +133,7 @@ def test_a_pushed_folder_with_a_link_or_a_fifo_is_refused_naming_it(tmp_path, ki
     crafted(staged, {"config.json": b"{}"}, listed)
     out = run / "round-1" / "cs" / "model"
     with pytest.raises(TransferError) as error:
-        receive(run, "round-1/cs/model", out, wait=0.3, first=0.1, most=0.1)
+        receive(ReceiveJob(run, "round-1/cs/model", out), WaitOptions(0.3, first=0.1, most=0.1))
     message = str(error.value)
     name = {"directory link to /etc": "etc", "FIFO": "pipe", "file link to a local file": "model.safetensors"}
     assert f"model/{name[kind]}: a " in message and "not a regular file" in message, message
@@ -137,7 +150,7 @@ def test_a_weight_index_that_names_a_file_outside_its_folder_is_refused(tmp_path
     crafted(peer, {"config.json": b"{}", "model.safetensors.index.json": json.dumps(index).encode()})
     out = tmp_path / "leo" / "round-1" / "cs" / "model"
     with pytest.raises(TransferError, match=r"weight_map names '\.\./\.\./it/model/model\.safetensors'"):
-        fetch(str(peer), out)
+        fetch(FetchJob(str(peer), out))
     assert not out.exists()
 
 
@@ -152,19 +165,23 @@ def test_a_deleted_received_output_is_received_again_without_the_sender(tmp_path
     aggregate.mkdir(parents=True)
     (aggregate / "model.safetensors").write_bytes(b"aggregate")
     (there / "exchange" / "inbox").mkdir(parents=True)
-    push(here, "round-1/aggregate/model", str(there))
+    push(PushJob(here, "round-1/aggregate/model", str(there)))
     out = there / "round-1" / "aggregate" / "model"
-    receive(there, "round-1/aggregate/model", out)
+    receive(ReceiveJob(there, "round-1/aggregate/model", out))
     shutil.rmtree(out)
-    again = receive(there, "round-1/aggregate/model", out, wait=1, first=0.1, most=0.1)
+    again = receive(ReceiveJob(there, "round-1/aggregate/model", out), WaitOptions(1, first=0.1, most=0.1))
     assert (again / "model.safetensors").read_bytes() == b"aggregate"
 
 
 def test_the_command_that_brings_a_lost_pushed_item_back_is_named(tmp_path):
     run = tmp_path / "karo" / "run"
     with pytest.raises(TransferError) as error:
-        receive(run, "round-1/aggregate/model", run / "round-1" / "aggregate" / "model", wait=0.2, first=0.1,
-                most=0.1, maker="leo", here="karo")  # fmt: skip
+        receive(
+            ReceiveJob(
+                run, "round-1/aggregate/model", run / "round-1" / "aggregate" / "model", "leo", "karo"
+            ),
+            WaitOptions(0.2, first=0.1, most=0.1),
+        )
     assert f"delete the receipt {run}/sent/karo/round-1/aggregate/model.COMPLETE on leo" in str(error.value)
 
 
@@ -176,7 +193,7 @@ def test_a_new_push_withdraws_the_old_marker_before_it_sends_a_file(tmp_path, mo
     aggregate.mkdir(parents=True)
     (aggregate / "model.safetensors").write_bytes(b"attempt 1")
     (there / "exchange" / "inbox").mkdir(parents=True)
-    push(here, "round-1/aggregate/model", str(there))
+    push(PushJob(here, "round-1/aggregate/model", str(there)))
     old_marker = there / "exchange" / "inbox" / "round-1" / "aggregate" / "model.COMPLETE"
     assert old_marker.is_file()
     (aggregate / "model.safetensors").write_bytes(b"attempt 2, re-made")
@@ -188,9 +205,9 @@ def test_a_new_push_withdraws_the_old_marker_before_it_sends_a_file(tmp_path, mo
         return real(*args, **kwargs)
 
     monkeypatch.setattr(transfer, "_rsync", watching)
-    push(here, "round-1/aggregate/model", str(there))
+    push(PushJob(here, "round-1/aggregate/model", str(there)))
     assert seen == [False]
-    out = receive(there, "round-1/aggregate/model", there / "round-1" / "aggregate" / "model")
+    out = receive(ReceiveJob(there, "round-1/aggregate/model", there / "round-1" / "aggregate" / "model"))
     assert (out / "model.safetensors").read_bytes() == b"attempt 2, re-made"
 
 
@@ -228,12 +245,12 @@ def test_a_stale_site_model_in_the_outbox_is_never_taken_for_the_rounds(tmp_path
     with pytest.raises(
         TransferError, match=r"a stale copy: made from start model \w+, but this round's start"
     ):
-        fetch(str(outbox), out, wait=0.5, first=0.1, most=0.1, start=start)
+        fetch(FetchJob(str(outbox), out, start), WaitOptions(0.5, first=0.1, most=0.1))
     assert not out.exists()
     shutil.rmtree(old)
     mark(site_model(old, start, b"cs trained from attempt 2"), outbox)
     assert (
-        fetch(str(outbox), out, start=start) / "model.safetensors"
+        fetch(FetchJob(str(outbox), out, start)) / "model.safetensors"
     ).read_bytes() == b"cs trained from attempt 2"
 
 
@@ -247,7 +264,10 @@ def test_a_stale_pushed_aggregate_in_the_inbox_is_never_taken_and_kept_for_the_n
     (staged.parent / "model.COMPLETE").write_text(transfer.marker_text(staged))
     out = there / "round-2" / "aggregate" / "model"
     with pytest.raises(TransferError, match="a stale copy"):
-        receive(there, "round-2/aggregate/model", out, wait=0.3, first=0.1, most=0.1, start=start)
+        receive(
+            ReceiveJob(there, "round-2/aggregate/model", out, start=start),
+            WaitOptions(0.3, first=0.1, most=0.1),
+        )
     assert not out.exists() and (staged.parent / "model.COMPLETE").is_file()
 
 
@@ -369,15 +389,17 @@ def test_through_the_gate_over_ssh_the_peer_cannot_write_the_outbox_read_the_run
         monkeypatch.setenv("RSYNC_RSH", server.rsync_rsh)
         remote = f"{server.host}:{there}"
         got = fetch(
-            f"{remote}/exchange/outbox/data/cs/manifest.json", tmp_path / "leo" / "manifest.json", link=FAST
+            FetchJob(f"{remote}/exchange/outbox/data/cs/manifest.json", tmp_path / "leo" / "manifest.json"),
+            link=FAST,
         )
         assert json.loads(got.read_text()) == {"site": "cs"}
 
         evil = tmp_path / "evil.json"
         evil.write_text('{"site": "cs", "splits": {"train": ["/elsewhere"]}}')
-        inplace = transfer._rsync("--inplace", "-I", str(evil), f"{remote}/exchange/outbox/data/cs/manifest.json",
-                                  link=FAST)  # fmt: skip
-        assert inplace.returncode != 0 and "fedtune-rsync-gate" in inplace.stderr
+        for host in (server.host, server.push_host):  # either key
+            inplace = transfer._rsync("--inplace", "-I", str(evil),
+                                      f"{host}:{there}/exchange/outbox/data/cs/manifest.json", link=FAST)  # fmt: skip
+            assert inplace.returncode != 0 and "fedtune-rsync-gate" in inplace.stderr
         assert json.loads(live.read_text()) == {"site": "cs"}
         raw = transfer._rsync(
             "-a", f"{remote}/exchange/../data/cs/raw/", f"{tmp_path / 'stolen'}/", link=FAST
@@ -386,8 +408,12 @@ def test_through_the_gate_over_ssh_the_peer_cannot_write_the_outbox_read_the_run
         linked = tmp_path / "linked"
         linked.mkdir()
         (linked / "passwd").symlink_to("/etc/passwd")
-        planted = transfer._rsync("-a", f"{linked}/", f"{remote}/exchange/inbox/linked/", link=FAST)
-        assert planted.returncode != 0 and not (there / "exchange" / "inbox" / "linked").exists()
+        # Through the push key, which may write the inbox: not links.
+        planted = transfer._rsync(
+            "-a", f"{linked}/", f"{server.push_host}:{there}/exchange/inbox/linked/", link=FAST
+        )
+        assert planted.returncode != 0 and "links, devices and special files" in planted.stderr
+        assert not (there / "exchange" / "inbox" / "linked").exists()
         shell = transfer._run(
             [*server.rsync_rsh.split(), "-o", "BatchMode=yes", server.host, "cat /etc/passwd"], 20
         )

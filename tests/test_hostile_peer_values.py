@@ -18,12 +18,15 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from fedtune.aggregate.merge import AggregateError, aggregate
+from fedtune.aggregate.merge import AggregateError, AggregateJob, aggregate
+from fedtune.aggregate.options import AggregateOptions
 from fedtune.core import exchange
-from fedtune.core.config import AggregateOptions, ConfigError, ExchangeOptions, build_run_config, load_config
+from fedtune.core.exchange_options import ExchangeOptions
 from fedtune.core.models import check_loadable, record_checksums
+from fedtune.core.options import ConfigError
 from fedtune.core.safetensors_stream import WeightsError
-from fedtune.core.updates import compress, decode_folder
+from fedtune.core.updates import CompressJob, compress, decode_folder
+from fedtune.run.config import build_run_config, load_config
 from fedtune.tokenize.blocks import DataError, manifest_shards
 
 from .test_aggregate import options, random_tensors, read_output, write_checkpoint, write_manifest
@@ -63,11 +66,8 @@ def test_a_site_model_holding_nan_or_inf_stops_the_merge_naming_site_tensor_and_
     kwargs = {"server_state_out": tmp_path / "state"} if server else {}
     with pytest.raises(AggregateError) as error:
         aggregate(
-            models,
-            out,
+            AggregateJob(models, out, start=tmp_path / "round-3" / "start", **kwargs),
             options(weights="uniform", server_optimizer=server),
-            start=tmp_path / "round-3" / "start",
-            **kwargs,
         )
     message = str(error.value)
     assert message.startswith(f"round 3: site b: tensor {NAME} holds NaN or infinite values"), message
@@ -79,7 +79,7 @@ def test_a_non_finite_site_is_left_out_where_the_user_allows_it_and_the_record_s
     models = sites_with(tmp_path, float("nan"))
     out = tmp_path / "round-3" / "aggregate" / "model"
     weights = {"a": 1, "b": 3}
-    record = aggregate(models, out, options(weights=weights, non_finite="leave_out"))
+    record = aggregate(AggregateJob(models, out), options(weights=weights, non_finite="leave_out"))
     assert record["left_out"] == [{"site": "b", "tensor": NAME, "reason": "non-finite values"}]
     assert record["weights"]["normalised"] == {"a": 1.0}
     assert [entry["site"] for entry in record["inputs"]] == ["a"]
@@ -90,7 +90,7 @@ def test_a_non_finite_site_is_left_out_where_the_user_allows_it_and_the_record_s
     # Every site non-finite: nothing is left to merge, and nothing is written.
     models["a"] = sites_with(tmp_path / "second", float("inf"))["b"]
     with pytest.raises(AggregateError, match="no other site is left"):
-        aggregate(models, tmp_path / "out2", options(non_finite="leave_out", weights="uniform"))
+        aggregate(AggregateJob(models, tmp_path / "out2"), options(non_finite="leave_out", weights="uniform"))
     assert not (tmp_path / "out2").exists()
 
 
@@ -101,9 +101,11 @@ def test_a_compressed_update_that_rebuilds_to_nan_is_refused(tmp_path):
     site.joinpath("model.safetensors").unlink()
     save_file(tensors, site / "model.safetensors", metadata={"format": "pt"})
     update = tmp_path / "round-2" / "beta" / "update"
-    compress(site, start, update, ExchangeOptions(dtype="bf16"))
+    compress(CompressJob(site, start, update), ExchangeOptions(dtype="bf16"))
     with pytest.raises(AggregateError, match=rf"^round 2: site beta: tensor {NAME} holds NaN"):
-        aggregate({"beta": update}, tmp_path / "round-2" / "aggregate" / "model", UNIFORM, start=start)
+        aggregate(
+            AggregateJob({"beta": update}, tmp_path / "round-2" / "aggregate" / "model", start=start), UNIFORM
+        )
 
 
 CHANGES = {
@@ -122,7 +124,7 @@ def test_sites_that_agree_with_each_other_but_not_with_the_start_model_are_refus
     start = write_checkpoint(tmp_path / "start", random_tensors(0))
     models = {s: write_checkpoint(tmp_path / s, change(random_tensors(i))) for i, s in enumerate("ab")}
     with pytest.raises(AggregateError, match=r"the site models cannot be merged:\n  the start model"):
-        aggregate(models, tmp_path / "out", options(weights="uniform"), start=start)
+        aggregate(AggregateJob(models, tmp_path / "out", start=start), options(weights="uniform"))
     assert not (tmp_path / "out").exists()
 
 
@@ -146,7 +148,7 @@ def test_a_token_count_that_is_no_count_is_refused(tmp_path, kept, recorded, exp
         json.dumps({"site": "b", "splits": {"train": {"tokens_kept": kept, "tokens": recorded}}})
     )
     with pytest.raises(AggregateError) as error:
-        aggregate(models, tmp_path / "out", options(), manifests=manifests)
+        aggregate(AggregateJob(models, tmp_path / "out", manifests=manifests), options())
     assert str(error.value).startswith(f"site b: manifest {manifests['b']}: {expected}"), str(error.value)
     assert not (tmp_path / "out").exists()
 
@@ -176,11 +178,11 @@ def rewrite_part(update: Path, part: str, change) -> None:
 def test_a_compressed_update_whose_part_is_short_or_long_is_refused(tmp_path, dtype, part, change):
     start, site = start_and_site(tmp_path)
     update = tmp_path / "round-2" / "beta" / "update"
-    compress(site, start, update, ExchangeOptions(dtype=dtype))
+    compress(CompressJob(site, start, update), ExchangeOptions(dtype=dtype))
     rewrite_part(update, part, change)
     expected = rf"site beta: the update {update}: tensor {NAME}'s part '{part}' holds \d+ "
     with pytest.raises(exchange.ExchangeError, match=expected):
-        aggregate({"beta": update}, tmp_path / "out", UNIFORM, start=start)
+        aggregate(AggregateJob({"beta": update}, tmp_path / "out", start=start), UNIFORM)
     with pytest.raises(exchange.ExchangeError, match=rf"the update {update}: tensor {NAME}'s part"):
         decode_folder(update, start, tmp_path / "rebuilt", label="site beta")
     assert not (tmp_path / "out").exists() and not (tmp_path / "rebuilt").exists()
@@ -196,7 +198,7 @@ def test_a_weight_index_that_names_a_file_outside_its_folder_is_refused(tmp_path
     index["weight_map"] = dict.fromkeys(random_tensors(0), "../../it/model/model.safetensors")
     index_path.write_text(json.dumps(index))
     with pytest.raises(WeightsError) as error:
-        aggregate({"it": own, "cs": peer}, tmp_path / "out", options(weights="uniform"))
+        aggregate(AggregateJob({"it": own, "cs": peer}, tmp_path / "out"), options(weights="uniform"))
     message = str(error.value)
     assert message.startswith(f"site cs: {index_path}: entry "), message
     assert "'../../it/model/model.safetensors' is not a plain file name of the index's own folder" in message
@@ -288,14 +290,14 @@ def test_a_site_model_trained_from_another_start_is_refused_naming_site_round_an
         (models[site] / "training.json").write_text(json.dumps(record))
     out = tmp_path / "round-3" / "aggregate" / "model"
     with pytest.raises(AggregateError) as error:
-        aggregate(models, out, options(weights="uniform"), start=start)
+        aggregate(AggregateJob(models, out, start=start), options(weights="uniform"))
     assert str(error.value).startswith(
         f"round 3: site b trained from start model {stale}, but the round's start model {start} is {here}"
     ), str(error.value)
     assert not out.exists()
     # The round's own models merge, and the aggregate records its start and attempt in turn.
     (models["b"] / "training.json").write_text(json.dumps({"site": "b", "start": {"identity": here}}))
-    record = aggregate(models, out, options(weights="uniform"), start=start)
+    record = aggregate(AggregateJob(models, out, start=start), options(weights="uniform"))
     assert record["start_identity"] == here and len(record["attempt"]["id"]) == 32
 
 
@@ -318,15 +320,20 @@ def test_a_trained_site_model_carries_its_start_and_attempt_and_another_start_re
     with pytest.raises(
         AggregateError, match=rf"^round 1: site alpha trained from start model {summary['start']['identity']}"
     ):
-        aggregate({"alpha": model}, tmp_path / "out", UNIFORM, start=other)
-    aggregate({"alpha": model}, tmp_path / "out", UNIFORM, start=tiny_model_dir)
+        aggregate(AggregateJob({"alpha": model}, tmp_path / "out", start=other), UNIFORM)
+    aggregate(AggregateJob({"alpha": model}, tmp_path / "out", start=tiny_model_dir), UNIFORM)
 
 
 def test_a_sites_adapter_holding_nan_stops_the_adapter_merge_or_is_left_out(tmp_path):
     """train.adapter: the same check over the sites' LoRA adapters (loaded whole, they are small)."""
     from transformers import LlamaForCausalLM
 
-    from fedtune.aggregate.adapters import ADAPTER_WEIGHTS, AdapterAggregateError, aggregate_adapters
+    from fedtune.aggregate.adapters import (
+        ADAPTER_WEIGHTS,
+        AdapterAggregateError,
+        AdapterAggregateJob,
+        aggregate_adapters,
+    )
 
     from .test_adapter_aggregate import llama_config, opts, save_base, train_adapter
 
@@ -345,8 +352,8 @@ def test_a_sites_adapter_holding_nan_stops_the_adapter_merge_or_is_left_out(tmp_
     with pytest.raises(
         AdapterAggregateError, match=rf"^round 2: site b: tensor {name} of its adapter holds NaN"
     ):
-        aggregate_adapters(sites, out, opts())
+        aggregate_adapters(AdapterAggregateJob(sites, out), opts())
     assert not out.exists()
-    record = aggregate_adapters(sites, out, opts(non_finite="leave_out"))
+    record = aggregate_adapters(AdapterAggregateJob(sites, out), opts(non_finite="leave_out"))
     assert record["left_out"] == [{"site": "b", "tensor": name, "reason": "non-finite values"}]
     assert [entry["site"] for entry in record["inputs"]] == ["a"]

@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 
-from fedtune.aggregate.merge import aggregate
-from fedtune.core.config import AggregateOptions
+from fedtune.aggregate.merge import AggregateJob, aggregate
+from fedtune.aggregate.options import AggregateOptions
 from fedtune.core.models import CHECKSUMS, ModelError, load_causal_lm, verify_checksums
 
 UNIFORM = AggregateOptions.from_mapping({"weights": "uniform"})
@@ -50,11 +50,11 @@ def test_a_truncated_file_is_refused_by_name(model_copy):
 
 def test_aggregate_checks_its_inputs_and_records_its_output(tiny_model_dir, model_copy, tmp_path):
     out = tmp_path / "merged"
-    aggregate({"a": tiny_model_dir, "b": model_copy}, out, UNIFORM)
+    aggregate(AggregateJob({"a": tiny_model_dir, "b": model_copy}, out), UNIFORM)
     verify_checksums(out)
     assert json.loads((out / CHECKSUMS).read_text())["model.safetensors"]["bytes"] > 0
 
     flip_a_byte(model_copy / "model.safetensors")
     with pytest.raises(ModelError, match=f"{model_copy}/model.safetensors: sha256 differs"):
-        aggregate({"a": tiny_model_dir, "b": model_copy}, tmp_path / "merged-2", UNIFORM)
+        aggregate(AggregateJob({"a": tiny_model_dir, "b": model_copy}, tmp_path / "merged-2"), UNIFORM)
     assert not (tmp_path / "merged-2").exists()

@@ -88,7 +88,8 @@ def one_cluster(tmp_path: Path, config: dict) -> dict[str, bytes]:
 
 @pytest.fixture
 def ssh(tmp_path):
-    """The local sshd, its key confined to karo's exchange folder (made by karo's run when it starts)."""
+    """The local sshd, its two keys confined to karo's exchange folder (made by karo's run when it starts):
+    the pull key read-only on its outbox, the push key write-only on its inbox."""
     server = start_sshd(tmp_path / "sshd")
     restrict(server, tmp_path / "karo" / "results" / "demo" / "exchange")
     yield server
@@ -96,20 +97,15 @@ def ssh(tmp_path):
 
 
 def assert_confined(ssh, run: Path) -> None:
-    """The key the controllers used reaches the exchange folder only: the run's own folders are refused."""
-    probe = subprocess.run(
-        [
-            "rsync",
-            "-e",
-            f"{ssh.rsync_rsh} -o BatchMode=yes",
-            f"{ssh.host}:{run}/round-1/",
-            f"{run.parent / 'probe'}/",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert probe.returncode != 0 and "fedtune-rsync-gate" in probe.stderr, probe.stderr
+    """The keys the controllers used reach the exchange folder only: the run's own folders are refused."""
+    for host in (ssh.host, ssh.push_host):
+        probe = subprocess.run(
+            ["rsync", "-e", f"{ssh.rsync_rsh} -o BatchMode=yes", f"{host}:{run}/round-1/", f"{run.parent / 'probe'}/"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )  # fmt: skip
+        assert probe.returncode != 0 and "fedtune-rsync-gate" in probe.stderr, probe.stderr
 
 
 @pytest.mark.slow
@@ -119,7 +115,17 @@ def test_fedadam_three_rounds_with_a_controller_killed_mid_round(tmp_path, ssh):
     config = lean_config()
     karolina_run = tmp_path / "karo" / "results" / "demo"
     leonardo, karolina = two_clusters(
-        tmp_path, config, {"karo": {"path": f"{ssh.host}:{karolina_run}", "transfer": "push"}}
+        tmp_path,
+        config,
+        # Two keys, as docs/transfers.md sets up: the pull key through `path`, the push key through
+        # `push_path` (another Host alias, the same folder).
+        {
+            "karo": {
+                "path": f"{ssh.host}:{karolina_run}",
+                "push_path": f"{ssh.push_host}:{karolina_run}",
+                "transfer": "push",
+            }
+        },  # fmt: skip
     )
     env = ssh.env()
     leo, kar = start(leonardo, env), start(karolina, env)

@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 CHECK = """
 import fedtune, json
-from fedtune.core.config import ConfigError, build_run_config
+from fedtune.core.options import ConfigError
+from fedtune.run.config import build_run_config
 config = {
     "run": "wheel", "model": {"source": "hf", "name": "org/model"},
     "sites": {"a": {"dataset": {"source": "hf", "name": "org/data"}}},

@@ -20,6 +20,8 @@ from snakemake_executor_plugin_slurm.submit_string import get_submit_command
 from snakemake_executor_plugin_slurm.utils import set_gres_string
 from snakemake_executor_plugin_slurm.validation import validate_slurm_extra
 
+from fedtune.core.clusters import site_clusters
+
 from .workflow_harness import (
     ROOT,
     VENV_BIN,
@@ -41,7 +43,7 @@ CLUSTERS = {
     # MeluXina's CPU jobs take a quarter of a GPU node (1 GPU) unless FEDTUNE_MELUXINA_CPU_PARTITION=cpu.
     "meluxina": ("gpu", "gpu", 4, 64, "srun", ["--qos=default"]),
 }
-ACCOUNT_VARIABLES = ["FEDTUNE_ACCOUNT"] + [f"FEDTUNE_{name.upper()}_ACCOUNT" for name in CLUSTERS]
+ACCOUNT_VARIABLES = ["FEDTUNE_ACCOUNT"] + [f"FEDTUNE_{name.upper()}_ACCOUNT" for name in site_clusters()]
 
 
 DOWNLOAD_RULES = ("download_data", "download_model", "download_tasks")

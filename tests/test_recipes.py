@@ -16,23 +16,21 @@ import pandas as pd
 import pytest
 import torch
 
-from fedtune.aggregate.merge import aggregate
-from fedtune.core.config import (
-    ConfigError,
-    TrainOptions,
-    build_run_config,
-    site_step_counts,
-    site_steps_problem,
-)
+from fedtune.aggregate.merge import AggregateJob, aggregate
+from fedtune.core.options import ConfigError
+from fedtune.core.participation import site_step_counts
 from fedtune.report.build import (
     BEST_OF_SWEEP,
     SYNC_BEST_OF_SWEEP,
     SYNC_CAPTION,
     SYNC_YOUR_SETTINGS,
     YOUR_SETTINGS,
+    ReportJob,
     report,
 )
+from fedtune.run.config import build_run_config
 from fedtune.train.loop import RoundPlan
+from fedtune.train.options import TrainOptions
 
 from .test_aggregate import options as aggregate_options
 from .test_aggregate import read_output, write_checkpoint
@@ -62,7 +60,10 @@ def test_the_outer_nesterov_step_is_torch_sgd_with_nesterov_on_the_pseudo_gradie
         models = {s: write_checkpoint(tmp_path / f"r{r}-{s}", t) for s, t in zip("ab", sites, strict=True)}
         out, state_out = tmp_path / f"round-{r}" / "model", tmp_path / f"round-{r}" / "state"
         options = aggregate_options(weights={"a": 1, "b": 3}, server_optimizer=dict(DILOCO))
-        aggregate(models, out, options, start=start, server_state_in=state_in, server_state_out=state_out)
+        aggregate(
+            AggregateJob(models, out, start=start, server_state_in=state_in, server_state_out=state_out),
+            options,
+        )
         outer.zero_grad()
         for n, p in params.items():
             mean = 0.25 * sites[0][n].double() + 0.75 * sites[1][n].double()
@@ -80,11 +81,21 @@ def test_the_outer_nesterov_step_is_torch_sgd_with_nesterov_on_the_pseudo_gradie
         start, state_in = out, state_out
 
 
-def test_nesterov_is_refused_with_adapters():
+def test_nesterov_steps_adapters_exactly_and_refuses_averaged_factors():
+    """With train.adapter the outer step runs on the exact low-rank update (the round's factors
+    stacked with the momentum's: tests/test_adapter_aggregate.py checks the figures); average_factors,
+    which is not the sites' mean update, is refused for it by name."""
     config = four_sites(rounds=2)
     config["train"]["adapter"] = {"r": 4}
     config["aggregate"] = {"server_optimizer": dict(DILOCO), "adapter_merge": "exact"}
-    with pytest.raises(ConfigError, match="nesterov"):
+    assert build_run_config(config).aggregate.server_optimizer.name == "nesterov"
+    config["aggregate"]["adapter_merge"] = "average_factors"
+    with pytest.raises(ConfigError, match="nesterov with train.adapter needs aggregate.adapter_merge: exact"):
+        build_run_config(config)
+    # DiLoCo's kept site optimizers are not: a round's adapter is new, with no moments of its own to keep.
+    config["aggregate"]["adapter_merge"] = "exact"
+    config["federation"]["site_optimizer"] = "keep"
+    with pytest.raises(ConfigError, match="site_optimizer: keep; with train.adapter .* no optimizer state"):
         build_run_config(config)
 
 
@@ -117,12 +128,8 @@ def test_kept_site_optimizers_and_the_outer_step_run_two_rounds(tiny_model_dir, 
             models[site] = folder / "model"
         out, state_out = tmp_path / f"round-{r}" / "aggregate", tmp_path / f"round-{r}" / "server_state"
         aggregate(
-            models,
-            out,
+            AggregateJob(models, out, start=start, server_state_in=state, server_state_out=state_out),
             aggregate_options(weights="uniform", server_optimizer=dict(DILOCO)),
-            start=start,
-            server_state_in=state,
-            server_state_out=state_out,
         )
         assert json.loads((state_out / "state.json").read_text())["step"] == r
         start, state = out, state_out
@@ -197,9 +204,32 @@ def test_the_run_plans_each_sites_steps_by_its_tokens():
     # equal (the default): every site its own max_steps, whatever the tokens
     equal = build_run_config(four_sites())
     assert {o.max_steps for o in equal.token_steps(dict.fromkeys(SITES, 1)).values()} == {steps}
-    # The workflow plans a train job's steps before the tokens are counted: refused there, for now.
-    assert site_steps_problem(equal, "c") is None
-    assert "site_steps: tokens" in site_steps_problem(run, "c")
+
+
+def test_a_train_job_takes_its_share_of_the_steps_from_every_sites_manifest(tmp_path):
+    """The train stage's --token-steps (what the workflow passes with site_steps tokens): the same
+    shares as RunConfig.token_steps, from the manifests' tokens_kept, recorded for training.json."""
+    from fedtune.train.loop import token_steps
+
+    tokens = {"alpha": 600, "beta": 200, "gamma": 100, "delta": 100}
+    pairs = []
+    for site, kept in tokens.items():
+        path = tmp_path / site / "manifest.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps({"site": site, "splits": {"train": {"tokens_kept": kept}}}))
+        pairs.append(f"{site}={path}")
+    run = build_run_config(four_sites(site_steps="tokens"))
+    planned = run.token_steps(tokens)
+    for site in SITES:
+        options, shares = token_steps(site, pairs, run.sites[site].train)
+        assert options.max_steps == planned[site].max_steps
+        assert shares == {"by": "tokens", "tokens": tokens, "steps": site_step_counts(10, tokens)}
+    same, none = token_steps("alpha", [], run.sites["alpha"].train)
+    assert same is run.sites["alpha"].train and none is None
+    with pytest.raises(ConfigError, match="no manifest of site omega"):
+        token_steps("omega", pairs, run.sites["alpha"].train)
+    with pytest.raises(ConfigError, match="is site 'beta'"):
+        token_steps("alpha", [f"alpha={tmp_path / 'beta' / 'manifest.json'}"], run.sites["alpha"].train)
 
 
 SITES = ["alpha", "beta", "gamma", "delta"]
@@ -210,10 +240,13 @@ SITES = ["alpha", "beta", "gamma", "delta"]
     [
         ({"participation": 2}, {}, "participation"),
         ({}, {"max_steps": 3}, "same max_steps"),
+        ({}, {"cluster": "elsewhere"}, "manifests cross only to federation.aggregate_on"),
     ],
 )
 def test_token_steps_refuse_what_they_cannot_share(federation, site_train, message):
     config = four_sites(site_steps="tokens", **federation)
+    if "cluster" in site_train:
+        config["sites"]["alpha"]["cluster"] = site_train.pop("cluster")
     config["sites"]["alpha"].setdefault("train", {}).update(site_train)
     with pytest.raises(ConfigError, match=message):
         build_run_config(config)
@@ -249,7 +282,7 @@ def test_the_sync_pooled_model_takes_m_times_the_batch_for_a_sites_steps():
 def test_the_workflow_trains_and_scores_the_sync_pooled_model(tmp_path):
     """A dry run with pooled_sync: the synchronous pooled model is one more pooled model of the sweep's
     rules (pooled/sweep/pooled-sync-lr1x), trained with M times the batch for a site's steps, scored on
-    every site and handed to the report with its lr; site_steps tokens is refused with its reason."""
+    every site and handed to the report with its lr."""
     from .workflow_harness import dry_run, write_config
 
     config = four_sites(pooled_baseline=True, pooled_sync=True)
@@ -264,9 +297,66 @@ def test_the_workflow_trains_and_scores_the_sync_pooled_model(tmp_path):
     scored = {j.wildcards["point"] for j in jobs if j.name == "evaluate_pooled_sweep"}
     assert scored == {"pooled-sync-lr1x"}
     assert "pooled-sync-lr1x=" in next(j.shell for j in jobs if j.name == "report")
-    write_config(tmp_path, four_sites(site_steps="tokens"))
-    with pytest.raises(AssertionError, match="site_steps: tokens is not yet planned"):
-        dry_run(tmp_path)
+
+
+def test_the_workflow_plans_steps_by_tokens_from_every_sites_manifest(tmp_path):
+    """A dry run with site_steps tokens: every round's training reads every site's manifest
+    (--token-steps, and the manifests are its inputs); the pooled models and their steps are unchanged."""
+    from .workflow_harness import dry_run, write_config
+
+    write_config(tmp_path, four_sites(site_steps="tokens", pooled_baseline=True))
+    jobs = dry_run(tmp_path)
+    trains = [j for j in jobs if j.name == "train"]
+    assert len(trains) == 2 * len(SITES)
+    for job in trains:
+        words = shlex.split(job.shell.split("--token-steps ", 1)[1])
+        pairs = words[: next(i for i, w in enumerate(words) if w.startswith("--") or w == ">>")]
+        assert [p.split("=")[0] for p in pairs] == SITES
+        assert all(p.split("=", 1)[1].endswith(f"data/{p.split('=')[0]}/manifest.json") for p in pairs)
+    (pooled,) = [j for j in jobs if j.name == "train_pooled"]
+    assert "--token-steps" not in pooled.shell
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    write_config(plain, four_sites(pooled_baseline=True))
+    assert not any("--token-steps" in j.shell for j in dry_run(plain))
+
+
+@pytest.mark.slow
+def test_a_run_with_steps_by_tokens_trains_each_site_its_share(tmp_path):
+    """The real workflow, two rounds on unequal sites (alpha 3 times beta's documents): each round's
+    site models train their share of 2 x 4 steps by tokens (about 6 and 2), the same every round, and
+    the report's training table gives those steps and says why."""
+    from .workflow_harness import demo_config, snakemake, write_config
+
+    config = demo_config()
+    for site, documents in (("alpha", 240), ("beta", 80)):
+        config["sites"][site]["dataset"]["max_documents"] = documents
+    config["tokenize"]["shards"] = 1
+    config["train"].update(max_steps=4, warmup_steps=1, checkpoint_every=0, micro_batch=8)
+    config["federation"] = {"rounds": 2, "site_steps": "tokens"}
+    config["aggregate"] = {"server_optimizer": {"name": "sgd", "lr": 1.0}}
+    config["evaluate"]["intermediate"] = "none"
+    write_config(tmp_path, config)
+    snakemake(tmp_path, "results/demo/report/training.csv")
+    run = tmp_path / "results" / "demo"
+    tokens = {
+        s: json.loads((run / "data" / s / "manifest.json").read_text())["splits"]["train"]["tokens_kept"]
+        for s in ("alpha", "beta")
+    }
+    expected = site_step_counts(4, tokens)
+    assert expected["alpha"] > expected["beta"] and sum(expected.values()) == 8
+    for r in (1, 2):
+        for site in ("alpha", "beta"):
+            trained = json.loads((run / f"round-{r}" / site / "model" / "training.json").read_text())
+            assert trained["steps"] == trained["options"]["max_steps"] == expected[site]
+            assert trained["first_step"] == (r - 1) * expected[site]
+            assert trained["site_steps"] == {"by": "tokens", "tokens": tokens, "steps": expected}
+    table = pd.read_csv(run / "report" / "training.csv")
+    steps = {
+        (int(r), s): int(n) for r, s, n in zip(table["round"], table["site"], table["steps"], strict=True)
+    }
+    assert steps == {(r, s): expected[s] for r in (1, 2) for s in ("alpha", "beta")}
+    assert "federation.site_steps tokens" in (run / "report" / "training.md").read_text()
 
 
 def test_the_gap_table_gives_both_yardsticks(tmp_path):
@@ -284,7 +374,7 @@ def test_the_gap_table_gives_both_yardsticks(tmp_path):
         "pooled-sync-lr1x": (0.003, 1.0),
         "pooled-sync-lr2x": (0.006, 1.0),
     }
-    paths = report(tmp_path / "out", evals, pooled_points=points)
+    paths = report(ReportJob(tmp_path / "out", evals, pooled_points=points))
     gap = pd.read_csv(paths["gap_csv"])
     assert list(gap["yardstick"]) == [YOUR_SETTINGS, BEST_OF_SWEEP, SYNC_YOUR_SETTINGS, SYNC_BEST_OF_SWEEP]
     assert list(gap["pooled_model"]) == ["pooled", "pooled-lr2x", "pooled-sync-lr1x", "pooled-sync-lr2x"]
@@ -295,7 +385,7 @@ def test_the_gap_table_gives_both_yardsticks(tmp_path):
     # Without them, gap.md says what it said before.
     plain = write_eval(tmp_path, "aggregate", 1, {"alpha": 30.0, "beta": 60.0})
     plain += write_eval(tmp_path, "pooled", 1, {"alpha": 40.0, "beta": 80.0})
-    text = report(tmp_path / "plain", plain)["gap_md"].read_text()
+    text = report(ReportJob(tmp_path / "plain", plain))["gap_md"].read_text()
     assert SYNC_CAPTION not in text and "synchronous" not in text
 
 

@@ -8,7 +8,7 @@ import json
 import pandas as pd
 import pytest
 
-from fedtune.report.build import ReportError, main, parse_labelled, report
+from fedtune.report.build import ReportError, ReportJob, main, parse_labelled, report
 
 SITES = ["alpha", "beta"]
 
@@ -100,7 +100,12 @@ def test_report_tables_and_figures(tmp_path, monkeypatch):
 def test_missing_training_files_are_left_out(tmp_path, capsys):
     evals = write_evals(tmp_path, rounds=1)
     paths = report(
-        tmp_path / "out", evals, [(1, "alpha", tmp_path / "nope.json")], [(1, "alpha", tmp_path / "x.csv")]
+        ReportJob(
+            tmp_path / "out",
+            evals,
+            [(1, "alpha", tmp_path / "nope.json")],
+            [(1, "alpha", tmp_path / "x.csv")],
+        )
     )
     assert pd.read_csv(paths["training_csv"]).empty
     assert paths["loss_png"].is_file()
@@ -110,7 +115,7 @@ def test_missing_training_files_are_left_out(tmp_path, capsys):
 def test_duplicate_results_are_refused(tmp_path):
     evals = write_evals(tmp_path, rounds=1)
     with pytest.raises(ReportError, match="two results for model beta"):
-        report(tmp_path / "out", [*evals, evals[-1]])
+        report(ReportJob(tmp_path / "out", [*evals, evals[-1]]))
 
 
 def test_labelled_paths():
@@ -130,7 +135,7 @@ def test_the_gap_to_the_pooled_model_per_round_and_merged_model(tmp_path):
         evals.append(path)
     ties = tmp_path / "ties.json"
     ties.write_text(json.dumps({"model": "ties", "round": 2, "site": "alpha", "perplexity": 30.0}))
-    paths = report(tmp_path / "out", [*evals, ties])
+    paths = report(ReportJob(tmp_path / "out", [*evals, ties]))
     gap = pd.read_csv(paths["gap_csv"])
     main = pd.read_csv(paths["perplexity_csv"])
     assert list(gap["model"]) == ["aggregate", "aggregate", "ties"] and list(gap["round"]) == [1, 1 + 1, 2]
@@ -144,7 +149,7 @@ def test_the_gap_to_the_pooled_model_per_round_and_merged_model(tmp_path):
 
 
 def test_no_pooled_model_no_gap(tmp_path):
-    paths = report(tmp_path / "out", write_evals(tmp_path))
+    paths = report(ReportJob(tmp_path / "out", write_evals(tmp_path)))
     assert "gap_csv" not in paths and not (tmp_path / "out" / "gap.csv").exists()
 
 
@@ -167,7 +172,7 @@ def write_task_scores(folder, rounds=2):
 def test_one_table_per_downstream_task(tmp_path):
     scores = write_task_scores(tmp_path)
     out = tmp_path / "report"
-    paths = report(out, write_evals(tmp_path), tasks=scores, task_names=["lambada", "grp"])
+    paths = report(ReportJob(out, write_evals(tmp_path), tasks=scores, task_names=["lambada", "grp"]))
     lambada = pd.read_csv(out / "tasks" / "lambada.csv")
     assert list(lambada.columns) == ["round", "model", "acc", "perplexity"]
     # The main table's order: base, the sites, the aggregate.
@@ -182,7 +187,7 @@ def test_one_table_per_downstream_task(tmp_path):
         assert paths[f"task_{name}_md"].read_text().startswith(f"Task {name} (lm-evaluation-harness)")
         assert "<table>" in paths[f"task_{name}_html"].read_text()
     with pytest.raises(ReportError, match="--tasks: no scores of task hellaswag"):
-        report(out, write_evals(tmp_path), tasks=scores, task_names=["hellaswag"])
+        report(ReportJob(out, write_evals(tmp_path), tasks=scores, task_names=["hellaswag"]))
     assert (
         main(["--out", str(out), "--eval", *map(str, write_evals(tmp_path)), "--tasks", str(scores[0])]) == 2
     )
@@ -259,7 +264,7 @@ def tick_labels(axis, minor: bool = False) -> list[str]:
 
 def demo_gap_table():
     """A gap like the demo's: 2.6-2.8 in round 1 down to 1.4-1.5 in round 3, less than a decade."""
-    from fedtune.core.config import CAUSAL_LM
+    from fedtune.core.options import CAUSAL_LM
     from fedtune.report.build import TASK_METRICS, eval_table, gap_table
 
     results = [
@@ -332,7 +337,7 @@ def test_a_diverged_model_reads_diverged_and_a_missing_result_reads_a_dash(tmp_p
         result = {"model": model, "round": rnd, "site": site, "perplexity": ppl, "bits_per_byte": ppl / 100}
         path.write_text(json.dumps(result))
         evals.append(path)
-    paths = report(tmp_path / "out", evals)
+    paths = report(ReportJob(tmp_path / "out", evals))
     text = paths["perplexity_md"].read_text()
     assert "| 0 | base | 100.000 | – |" in text, text
     assert "| 1 | aggregate | diverged | 50.000 |" in text and "| 1 | beta | – | diverged |" in text, text

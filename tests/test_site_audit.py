@@ -10,18 +10,27 @@ from __future__ import annotations
 import re
 
 import pytest
+import yaml
 
-from .test_profiles import CLUSTERS, local_rules, profile_settings
+from fedtune.core import clusters as cluster_helpers
+from fedtune.core.clusters import RULE_GROUPS, site_clusters
+
+from .test_profiles import local_rules, profile_settings
 from .workflow_harness import ROOT, snakemake
 
+# The GPU clusters: every file scripts/clusters/<name>.sh that sources _common.sh, with its profile.
+CLUSTERS = site_clusters()
+# The switches of a site's profile beyond FEDTUNE_SMOKE (each read with its other value set).
+SITE_SWITCHES = {
+    "karolina": {"FEDTUNE_KAROLINA_CPU_PARTITION": "qcpu"},
+    "meluxina": {"FEDTUNE_MELUXINA_CPU_PARTITION": "cpu"},
+}
 # Each profile under each value of its switches (the profile is read with these variables set).
 SWITCHES = {
-    "leonardo": [{}, {"FEDTUNE_SMOKE": "1"}],
-    "karolina": [{}, {"FEDTUNE_KAROLINA_CPU_PARTITION": "qcpu"}, {"FEDTUNE_SMOKE": "1"}],
-    "meluxina": [{}, {"FEDTUNE_MELUXINA_CPU_PARTITION": "cpu"}, {"FEDTUNE_SMOKE": "1"}],
-    "iris": [{}, {"FEDTUNE_SMOKE": "1"}],
+    cluster: [{}, *([SITE_SWITCHES[cluster]] if cluster in SITE_SWITCHES else []), {"FEDTUNE_SMOKE": "1"}]
+    for cluster in CLUSTERS
 }
-SWITCH_VARIABLES = ["FEDTUNE_SMOKE", "FEDTUNE_KAROLINA_CPU_PARTITION", "FEDTUNE_MELUXINA_CPU_PARTITION"]
+SWITCH_VARIABLES = ["FEDTUNE_SMOKE", *(name for switch in SITE_SWITCHES.values() for name in switch)]
 
 
 def workflow_rules() -> set[str]:
@@ -59,6 +68,68 @@ def test_every_rule_that_becomes_a_slurm_job_has_resources_in_the_clusters_profi
         jobs = workflow_rules() - local_rules(cluster)
         missing = sorted(rule for rule in jobs if "slurm_partition" not in placed.get(rule, {}))
         assert not missing, f"profiles/{cluster} ({variables or 'defaults'}) places no {missing}"
+
+
+def test_every_rule_that_becomes_a_slurm_job_is_in_a_rule_group():
+    """The profiles place groups of rules (fedtune/core/clusters.py, RULE_GROUPS), so a rule in no group
+    would be placed by none: a rule added to the workflow fails here until it joins a group."""
+    grouped = [rule for names in RULE_GROUPS.values() for rule in names]
+    assert len(grouped) == len(set(grouped)), "a rule in two groups"
+    jobs = workflow_rules() - local_rules()
+    assert not sorted(jobs - set(grouped)), f"rules in no group of RULE_GROUPS: {sorted(jobs - set(grouped))}"
+    assert not sorted(set(grouped) - workflow_rules()), "RULE_GROUPS names a rule the workflow lacks"
+
+
+# What a profile's __definitions__ may not define itself: each shared helper of fedtune/core/clusters.py.
+SHARED_HELPERS = [name for name in cluster_helpers.__all__ if callable(getattr(cluster_helpers, name))]
+
+
+def repeated_helpers(text: str) -> list[str]:
+    """What a profile's __definitions__ does itself that the shared helpers do: a function of its own (a
+    site's choice is data passed to a helper, e.g. choice(variable, default, other)), a copy of the
+    configfile check or of the account's environment lookup, a helper used but not imported."""
+    definitions = yaml.safe_load(text).get("__definitions__", [])
+    code = "\n".join(definitions)
+    problems = [f"defines {name}" for name in re.findall(r"^\s*def (\w+)", code, re.M)]
+    problems += [
+        f"uses {word}" for word in re.findall(r"\b(?:configfile_problem|os\.environ|SystemExit)\b", code)
+    ]
+    imports = re.findall(r"^from fedtune\.core\.clusters import (.+)$", code, re.M)
+    imported = {name.strip() for line in imports for name in line.split(",")}
+    if (
+        "refuse_broken_configfiles" not in imported
+        or "refuse_broken_configfiles(sys.argv)" not in definitions
+    ):
+        problems.append("no refuse_broken_configfiles(sys.argv) from fedtune.core.clusters")
+    rest = text.split("__definitions__", 1)[-1]
+    problems += [f"uses {name} without importing it" for name in SHARED_HELPERS
+                 if re.search(rf"(?<![.\w]){name}\(", rest) and name not in imported]  # fmt: skip
+    return problems
+
+
+@pytest.mark.parametrize(
+    "profile", sorted(path.parent.name for path in (ROOT / "profiles").glob("*/config.yaml"))
+)
+def test_no_profile_repeats_a_shared_helper(profile):
+    """The configfile check, the account, the smoke test's switch and the scratch folder live once, in
+    fedtune/core/clusters.py: every profile imports what it uses."""
+    assert not repeated_helpers((ROOT / "profiles" / profile / "config.yaml").read_text()), profile
+
+
+def test_the_helper_check_finds_a_copied_helper():
+    """A profile as they were before the helpers moved (each carried its own copy)."""
+    copied = (
+        "__use_yte__: true\n__definitions__:\n  - import os, sys\n  - |\n"
+        "    try:\n        from fedtune.core.config import refuse_broken_configfiles\n"
+        "    except ImportError:\n        pass\n    else:\n        refuse_broken_configfiles(sys.argv)\n"
+        "  - |\n    def account(cluster):\n        return os.environ.get('FEDTUNE_ACCOUNT')\n"
+        "  - |\n    def scratch_results():\n        return None\n"
+        "default-resources:\n  slurm_account: ?account('x')\n  runtime: ?smoke(10, 60)\n"
+    )
+    problems = repeated_helpers(copied)
+    assert {"defines account", "defines scratch_results", "uses os.environ"} <= set(problems), problems
+    assert "no refuse_broken_configfiles(sys.argv) from fedtune.core.clusters" in problems, problems
+    assert "uses smoke without importing it" in problems, problems
 
 
 def test_the_exchange_rules_run_where_their_kind_of_job_does(monkeypatch):
@@ -175,12 +246,19 @@ def test_karolina_host_names_exist_and_agree_across_examples_readme_docs_and_sch
 
 
 def test_the_quick_starts_host_block_gives_its_host_name():
-    """README's step 5 names the Host block that ssh and rsync use, with a HostName IT4I lists."""
+    """README's step 5 names the Host blocks that ssh and rsync use, with a HostName IT4I lists; the push
+    key's alias is the host of the published example's push_path."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     blocks = re.findall(r"`Host ([\w.-]+)`[^.]*?`HostName ([\w.-]+)`", readme)
     assert blocks, "README: a `Host ...` block without `HostName ...`"
     for alias, hostname in blocks:
-        assert hostname in KAROLINA_HOSTS and alias in KAROLINA_HOSTS | {"karolina"}, (alias, hostname)
+        assert hostname in KAROLINA_HOSTS and alias in KAROLINA_HOSTS | {"karolina", "karolina-push"}, (
+            alias,
+            hostname,
+        )
+    remote = yaml.safe_load(PUBLISHED.read_text())["federation"]["remotes"]["karolina"]
+    push_host = remote["push_path"].split(":")[0].split("@")[-1]
+    assert push_host in {alias for alias, _ in blocks}, (push_host, blocks)
 
 
 # ------------------------------------------------------------------------------------------ the dry run

@@ -22,7 +22,10 @@ from fedtune.aggregate.adapter_size import (
     model_parameters,
     weights_mem_mb,
 )
-from fedtune.core.config import SMOKE_DOCUMENTS, TrainOptions, build_run_config
+from fedtune.core.clusters import site_clusters
+from fedtune.core.smoke import SMOKE_DOCUMENTS
+from fedtune.run.config import build_run_config
+from fedtune.train.options import TrainOptions
 
 from .test_profiles import ACCOUNT_VARIABLES, cluster_demo, local_rules, profile_settings, sbatch_options
 from .workflow_harness import ROOT, demo_config, planned_jobs, snakemake, write_config
@@ -345,7 +348,7 @@ def test_evaluation_jobs_ask_for_the_memory_of_their_model(tmp_path):
 # 7. The torch build of the A100 sites.
 
 
-@pytest.mark.parametrize("cluster", ["leonardo", "karolina", "meluxina", "iris"])
+@pytest.mark.parametrize("cluster", site_clusters())
 def test_every_gpu_site_gets_the_cuda_12_build(cluster):
     """CUDA 12.6 wheels run on drivers >= 525.60.13 (CUDA 12 minor-version compatibility), CUDA 13 ones
     need >= 580, which no site publishes: all four sites get the 12.6 build (sm_70 to sm_90)."""

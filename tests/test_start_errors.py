@@ -11,13 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fedtune.core.config import (
-    FETCHED_GGUF,
-    ConfigError,
-    build_run_config,
-    configfile_problem,
-    load_config,
-)
+from fedtune.core.config_files import configfile_problem
+from fedtune.core.options import ConfigError
+from fedtune.download.options import FETCHED_GGUF
+from fedtune.run.config import build_run_config, load_config
 
 from .workflow_harness import ROOT, demo_config, snakemake, write_config
 

@@ -274,9 +274,10 @@ def test_status_refuses_a_cluster_the_config_does_not_know(tmp_path):
 def test_status_reads_the_cluster_each_profile_sets():
     """The cluster profiles are yte templates whose account expressions need the environment: status reads
     only their `config: cluster:`, with no account set."""
+    from fedtune.core.clusters import site_clusters
     from fedtune.report.status import profile_cluster
 
-    for cluster in ("leonardo", "karolina", "iris", "meluxina"):
+    for cluster in site_clusters():
         assert profile_cluster(ROOT / "profiles" / cluster) == cluster
     assert profile_cluster(ROOT / "profiles" / "local") is None
 

@@ -14,9 +14,11 @@ import pandas as pd
 import pytest
 import yaml
 
-from fedtune.core.config import ConfigError, build_run_config, check_config, sweep_label
+from fedtune.core.options import ConfigError
 from fedtune.report.sweep import main as sweep_main
 from fedtune.report.sweep import sweep_table
+from fedtune.run.config import build_run_config, check_config
+from fedtune.run.sweep import sweep_label
 
 from .test_profiles import CLUSTERS, local_rules, sbatch_options
 from .workflow_harness import ROOT, demo_config, job_counts, planned_jobs, snakemake, write_config

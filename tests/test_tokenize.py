@@ -13,9 +13,16 @@ import numpy as np
 import pytest
 from datasets import Dataset, DatasetDict, load_from_disk
 
-from fedtune.core.config import TokenizeOptions
 from fedtune.core.models import load_tokenizer
-from fedtune.tokenize.shards import TokenizeError, main, tokenize_shard, verify_shard, write_manifest
+from fedtune.tokenize.options import TokenizeOptions
+from fedtune.tokenize.shards import (
+    ShardJob,
+    TokenizeError,
+    main,
+    tokenize_shard,
+    verify_shard,
+    write_manifest,
+)
 
 from .conftest import ROOT, corpus
 
@@ -54,7 +61,8 @@ def shard(raw_path, tiny_model_dir, out, **kwargs):
     split = options.pop("split", "train")
     site = options.pop("site", None)
     counts = tokenize_shard(
-        raw_path, split, index, tiny_model_dir, out, TokenizeOptions.from_mapping(options), site=site
+        ShardJob(raw_path, split, index, tiny_model_dir, out, site=site),
+        TokenizeOptions.from_mapping(options),
     )
     return counts, load_from_disk(str(out))
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from fedtune.core import tracking
-from fedtune.core.config import ConfigError, check_config
+from fedtune.core.options import ConfigError
+from fedtune.run.config import check_config
 
 from .workflow_harness import demo_config
 
@@ -60,14 +61,13 @@ def drive(backend: str, run_dir: Path, **extra) -> list[str]:
     """What a training job, an evaluate job and an aggregate job of round 1 would send."""
     options = {"backend": backend, **extra}
     rows = loss_rows()
-    with tracking.start(
-        options, run="demo", round=1, site="alpha", job_type="train", config={"lr": 0.003}, run_dir=run_dir
-    ) as tracker:  # fmt: skip
+    where = tracking.TrackedRun("demo", 1, "alpha", run_dir)
+    with tracking.start(options, where, "train", {"lr": 0.003}) as tracker:
         for row in rows:
             tracker.log(*tracking.loss_row_metrics(row))
         tracker.log_summary(SUMMARY)
     tracking.log_evaluation(options, EVAL_RESULT, run="demo", run_dir=run_dir)
-    tracking.log_aggregate(options, AGGREGATE_RECORD, run="demo", round=1, run_dir=run_dir)
+    tracking.log_aggregate(options, AGGREGATE_RECORD, tracking.TrackedRun("demo", 1, run_dir=run_dir))
     return rows
 
 
@@ -83,7 +83,8 @@ def test_loss_row_metrics_reads_train_rows():
 
 
 def test_the_section_is_typed_with_the_schema_defaults_and_bad_values_are_named():
-    from fedtune.core.config import TrackingOptions, build_run_config
+    from fedtune.core.tracking_options import TrackingOptions
+    from fedtune.run.config import build_run_config
 
     run = build_run_config(demo_config())
     assert run.tracking == TrackingOptions("none", None, None, None, "offline", 1)

@@ -11,8 +11,9 @@ import pytest
 import yaml
 
 from fedtune.core.cli import EXIT_USER_ERROR
-from fedtune.core.config import ConfigError, TrainOptions
+from fedtune.core.options import ConfigError
 from fedtune.tokenize.blocks import BlockOrder, Blocks, DataError, manifest_shards
+from fedtune.train.options import TrainOptions
 from fedtune.train.schedule import learning_rate
 from tests.train_runs import BLOCK_SIZE, LAUNCH, PYTHON, ROOT, env
 from tests.workflow_harness import demo_config, dry_run, write_config

@@ -52,9 +52,9 @@ def test_selective_checkpointing_trains_like_none(tiny_model_dir, site_manifest,
 def test_options_reach_the_backend(monkeypatch, tiny_model_dir):
     """In one process: foreach AdamW on CPU, the layers checkpointed as asked, and a step that returns
     the norm as a tensor (reading it as a float would wait for the device a second time per step)."""
-    from fedtune.core.config import TrainOptions
     from fedtune.core.models import load_model
     from fedtune.train import backends, distributed, speed
+    from fedtune.train.options import TrainOptions
     from tests.train_runs import free_port
 
     monkeypatch.setenv("RANK", "0")
@@ -82,8 +82,8 @@ def test_options_reach_the_backend(monkeypatch, tiny_model_dir):
 
 
 def test_adamw_is_fused_on_cuda():
-    from fedtune.core.config import TrainOptions
     from fedtune.train import backends
+    from fedtune.train.options import TrainOptions
 
     model = torch.nn.Linear(4, 4)
     cuda = backends.adamw(model, TrainOptions.from_mapping({}), torch.device("cuda", 0))
@@ -91,7 +91,8 @@ def test_adamw_is_fused_on_cuda():
 
 
 def test_compile_is_refused_with_deepspeed():
-    from fedtune.core.config import ConfigError, TrainOptions
+    from fedtune.core.options import ConfigError
+    from fedtune.train.options import TrainOptions
 
     with pytest.raises(ConfigError, match="compile: needs backend fsdp"):
         TrainOptions.from_mapping({"backend": "deepspeed", "compile": True})
@@ -99,13 +100,14 @@ def test_compile_is_refused_with_deepspeed():
 
 @pytest.mark.parametrize(("value", "every"), [(False, 0), (True, 1), (1, 1), (3, 3)])
 def test_gradient_checkpointing_takes_a_flag_or_a_layer_interval(value, every):
-    from fedtune.core.config import TrainOptions
+    from fedtune.train.options import TrainOptions
 
     assert TrainOptions.from_mapping({"gradient_checkpointing": value}).checkpoint_layers_every == every
 
 
 def test_gradient_checkpointing_refuses_zero_layers():
-    from fedtune.core.config import ConfigError, TrainOptions
+    from fedtune.core.options import ConfigError
+    from fedtune.train.options import TrainOptions
 
     with pytest.raises(ConfigError, match="gradient_checkpointing"):
         TrainOptions.from_mapping({"gradient_checkpointing": 0})

@@ -13,7 +13,17 @@ from pathlib import Path
 import pytest
 
 from fedtune.core import transfer
-from fedtune.core.transfer import TransferError, fetch, mark, push, receive
+from fedtune.core.transfer import (
+    FetchJob,
+    PushJob,
+    ReceiveJob,
+    TransferError,
+    WaitOptions,
+    fetch,
+    mark,
+    push,
+    receive,
+)
 
 from .ssh_harness import start_sshd, stop_sshd
 from .workflow_harness import (
@@ -40,7 +50,7 @@ def test_a_marked_folder_is_fetched_and_every_file_verified(tiny_model_dir, tmp_
     # sha256sum's own format: `sha256sum -c` in the parent folder checks it.
     check = subprocess.run(["sha256sum", "-c", marker.name], cwd=source.parent, capture_output=True)
     assert check.returncode == 0, check.stderr
-    out = fetch(str(source), tmp_path / "here" / "model")
+    out = fetch(FetchJob(str(source), tmp_path / "here" / "model"))
     for path in source.iterdir():
         assert (out / path.name).read_bytes() == path.read_bytes()
 
@@ -51,8 +61,16 @@ def test_a_fetch_waits_for_the_marker_and_times_out_naming_remote_round_and_what
     (source / "config.json").write_text("{}")  # there, but not marked complete: still being written
     out = tmp_path / "here" / "model"
     with pytest.raises(TransferError) as error:
-        fetch(str(source), out, wait=1.5, label="beta's model of round 2 from karolina",
-              check="On karolina: is its controller running?", first=0.2, most=0.5)  # fmt: skip
+        fetch(
+            FetchJob(str(source), out),
+            WaitOptions(
+                1.5,
+                "beta's model of round 2 from karolina",
+                "On karolina: is its controller running?",
+                0.2,
+                0.5,
+            ),
+        )
     message = str(error.value)
     assert "beta's model of round 2 from karolina" in message and "On karolina: is its controller" in message
     assert "model.COMPLETE never appeared" in message
@@ -79,13 +97,13 @@ def test_a_copy_that_fails_verification_is_deleted_and_fetched_again(tmp_path, m
         return result
 
     monkeypatch.setattr(transfer, "_rsync", corrupting)
-    out = fetch(str(source), tmp_path / "here" / "model")
+    out = fetch(FetchJob(str(source), tmp_path / "here" / "model"))
     assert (out / "weights.bin").read_bytes() == b"good"
     assert len(copies) == 2
     # A copy that never verifies: deleted, and the error says so.
     (source / "weights.bin").write_bytes(b"changed after marking")
     with pytest.raises(TransferError, match="failed verification 3 times.*sha256 differs"):
-        fetch(str(source), tmp_path / "again" / "model")
+        fetch(FetchJob(str(source), tmp_path / "again" / "model"))
     assert not (tmp_path / "again" / "model").exists()
 
 
@@ -93,7 +111,7 @@ def test_a_file_is_marked_and_fetched(tmp_path):
     source = tmp_path / "manifest.json"
     source.write_text('{"site": "beta"}')
     mark(source)
-    fetch(str(source), tmp_path / "here" / "manifest.json")
+    fetch(FetchJob(str(source), tmp_path / "here" / "manifest.json"))
     assert json.loads((tmp_path / "here" / "manifest.json").read_text()) == {"site": "beta"}
 
 
@@ -108,22 +126,26 @@ def test_push_over_ssh_into_the_inbox_then_receive(tiny_model_dir, tmp_path):
         monkey_env = dict(os.environ)
         os.environ["RSYNC_RSH"] = server.rsync_rsh
         try:
-            push(here, "round-1/aggregate/model", f"{server.host}:{there}")
+            push(PushJob(here, "round-1/aggregate/model", f"{server.host}:{there}"))
             # Over ssh too: the other direction, a pull of the marked original.
             mark(here / "round-1" / "aggregate" / "model")
-            pulled = fetch(f"{server.host}:{here}/round-1/aggregate/model", tmp_path / "pulled" / "model")
+            pulled = fetch(
+                FetchJob(f"{server.host}:{here}/round-1/aggregate/model", tmp_path / "pulled" / "model")
+            )
         finally:
             os.environ.clear()
             os.environ.update(monkey_env)
         assert (there / "exchange" / "inbox" / "round-1" / "aggregate" / "model.COMPLETE").is_file()
-        out = receive(there, "round-1/aggregate/model", there / "round-1" / "aggregate" / "model")
+        out = receive(ReceiveJob(there, "round-1/aggregate/model", there / "round-1" / "aggregate" / "model"))
         for path in tiny_model_dir.iterdir():
             assert (out / path.name).read_bytes() == path.read_bytes()
             assert (pulled / path.name).read_bytes() == path.read_bytes()
         # The inbox keeps its copy: a deleted output is received again without the sender.
         assert (there / "exchange" / "inbox" / "round-1" / "aggregate" / "model.COMPLETE").is_file()
         shutil.rmtree(out)
-        again = receive(there, "round-1/aggregate/model", there / "round-1" / "aggregate" / "model")
+        again = receive(
+            ReceiveJob(there, "round-1/aggregate/model", there / "round-1" / "aggregate" / "model")
+        )
         assert {p.name: p.read_bytes() for p in again.iterdir()} == {
             p.name: p.read_bytes() for p in tiny_model_dir.iterdir()
         }
@@ -139,8 +161,10 @@ def test_receive_deletes_a_copy_that_fails_verification_and_times_out(tmp_path):
     mark(staged)
     staged.write_text('{"changed": 1}')
     with pytest.raises(TransferError, match="never appeared.*failed verification"):
-        receive(run, "data/beta/manifest.json", run / "data" / "beta" / "manifest.json", wait=0.5,
-                first=0.1, most=0.1)  # fmt: skip
+        receive(
+            ReceiveJob(run, "data/beta/manifest.json", run / "data" / "beta" / "manifest.json"),
+            WaitOptions(0.5, first=0.1, most=0.1),
+        )
     assert not staged.exists() and not (run / "data" / "beta" / "manifest.json").exists()
 
 

@@ -13,8 +13,20 @@ from pathlib import Path
 import pytest
 
 from fedtune.core import transfer
-from fedtune.core.config import ConfigError, build_run_config
-from fedtune.core.transfer import Link, TransferError, fetch, mark, push, receive
+from fedtune.core.options import ConfigError
+from fedtune.core.transfer import (
+    FetchJob,
+    Link,
+    PushJob,
+    ReceiveJob,
+    TransferError,
+    WaitOptions,
+    fetch,
+    mark,
+    push,
+    receive,
+)
+from fedtune.run.config import build_run_config
 
 from .ssh_harness import allow, restrict, revoke, start_sshd, stop_sshd
 from .workflow_harness import ROOT, demo_config, dry_run, write_config
@@ -62,8 +74,14 @@ def test_a_hung_rsync_is_killed_with_its_children_at_the_transfer_timeout(tmp_pa
     hung.chmod(0o755)
     started = time.monotonic()
     with pytest.raises(TransferError) as error:
-        fetch("me@karo:/run/exchange/outbox/round-1/beta/model", tmp_path / "here" / "model",
-              rsync=str(hung), link=Link(transfer_timeout=1))  # fmt: skip
+        fetch(
+            FetchJob(
+                "me@karo:/run/exchange/outbox/round-1/beta/model",
+                tmp_path / "here" / "model",
+                rsync=str(hung),
+            ),
+            link=Link(transfer_timeout=1),
+        )
     assert time.monotonic() - started < 10
     message = str(error.value)
     assert "me@karo: stopped after 1 s (federation.transfer_timeout)" in message
@@ -137,8 +155,11 @@ def test_a_host_that_asks_for_a_password_fails_within_its_timeout_and_the_key_pu
 
     started = time.monotonic()
     with pytest.raises(TransferError) as error:
-        fetch(source, tmp_path / "here" / "model", wait=2, first=0.5, most=1, link=FAST,
-              label="beta's model of round 1 from karo")  # fmt: skip
+        fetch(
+            FetchJob(source, tmp_path / "here" / "model"),
+            WaitOptions(2, "beta's model of round 1 from karo", first=0.5, most=1),
+            FAST,
+        )
     assert time.monotonic() - started < 10
     message = str(error.value)
     assert "gave up waiting for beta's model of round 1 from karo" in message
@@ -148,13 +169,13 @@ def test_a_host_that_asks_for_a_password_fails_within_its_timeout_and_the_key_pu
     assert not (tmp_path / "here" / "model").exists()
 
     allow(sshd, key)
-    out = fetch(source, tmp_path / "here" / "model", link=FAST)
+    out = fetch(FetchJob(source, tmp_path / "here" / "model"), link=FAST)
     assert (out / "model.safetensors").read_bytes() == b"beta's weights"
 
     # The key taken away and put back while a transfer waits: its next look gets through.
     revoke(sshd)
     threading.Timer(1.5, allow, (sshd, key)).start()
-    out = fetch(source, tmp_path / "again" / "model", wait=30, first=0.5, most=1, link=FAST)
+    out = fetch(FetchJob(source, tmp_path / "again" / "model"), WaitOptions(30, first=0.5, most=1), FAST)
     assert (out / "model.safetensors").read_bytes() == b"beta's weights"
     assert not asked.exists()
 
@@ -163,10 +184,11 @@ def test_a_host_that_asks_for_a_password_fails_within_its_timeout_and_the_key_pu
 def test_a_key_confined_by_the_gate_to_the_exchange_folder_moves_everything_and_nothing_else(
     tmp_path, sshd, monkeypatch
 ):
-    """The authorized_keys line of docs/transfers.md (scripts/fedtune-rsync-gate --read <run>/exchange/outbox
-    --write <run>/exchange/inbox): the same remote path as without it, pull from the outbox and push into
-    the inbox work; the rest of the account (the run's own folders, writing into the outbox, reading the
-    inbox, a shell) is out of reach."""
+    """The two authorized_keys lines of docs/transfers.md (scripts/fedtune-rsync-gate: the pull key --read
+    <run>/exchange/outbox, the push key --write <run>/exchange/inbox, each key through its own Host
+    alias): the same remote path as without them, pull from the outbox with one and push into the inbox
+    with the other work; the rest of the account (the run's own folders, writing into the outbox, reading
+    the inbox, a push with the pull key, a pull with the push key, a shell) is out of reach."""
     there, here = tmp_path / "karo" / "run", tmp_path / "leo" / "run"
     beta = there / "round-1" / "beta" / "model"
     beta.mkdir(parents=True)
@@ -178,20 +200,36 @@ def test_a_key_confined_by_the_gate_to_the_exchange_folder_moves_everything_and_
     (there / "exchange" / "inbox").mkdir()
     restrict(sshd, there / "exchange")
     monkeypatch.setenv("RSYNC_RSH", sshd.rsync_rsh)
-    remote = f"{sshd.host}:{there}"
+    remote, push_remote = f"{sshd.host}:{there}", f"{sshd.push_host}:{there}"
 
-    fetched = fetch(f"{remote}/exchange/outbox/round-1/beta/model", tmp_path / "got" / "model", link=FAST)
+    fetched = fetch(
+        FetchJob(f"{remote}/exchange/outbox/round-1/beta/model", tmp_path / "got" / "model"), link=FAST
+    )
     assert (fetched / "model.safetensors").read_bytes() == b"beta"
-    push(here, "round-1/aggregate/model", remote, link=FAST)
-    received = receive(there, "round-1/aggregate/model", there / "round-1" / "aggregate" / "model")
+    # The pull key may not write, the push key may not read.
+    with pytest.raises(TransferError, match="this key may not write"):
+        push(PushJob(here, "round-1/aggregate/model", remote), WaitOptions(0.5, first=0.2, most=0.2), FAST)
+    with pytest.raises(TransferError, match="this key may not read"):
+        fetch(
+            FetchJob(f"{push_remote}/exchange/outbox/round-1/beta/model", tmp_path / "got2" / "model"),
+            WaitOptions(0.5, first=0.2, most=0.2),
+            FAST,
+        )
+    push(PushJob(here, "round-1/aggregate/model", push_remote), link=FAST)
+    received = receive(
+        ReceiveJob(there, "round-1/aggregate/model", there / "round-1" / "aggregate" / "model")
+    )
     assert (received / "model.safetensors").read_bytes() == b"aggregate"
 
     # What is not there yet reads as such through the key too (the gate, like rrsync, lets rsync say so).
     with pytest.raises(
         TransferError, match=r"never appeared \(last look: no \S+round-2/beta/model.COMPLETE yet"
     ):
-        fetch(f"{remote}/exchange/outbox/round-2/beta/model", tmp_path / "r2" / "model", wait=0.5, first=0.2,
-              most=0.2, link=FAST)  # fmt: skip
+        fetch(
+            FetchJob(f"{remote}/exchange/outbox/round-2/beta/model", tmp_path / "r2" / "model"),
+            WaitOptions(0.5, first=0.2, most=0.2),
+            FAST,
+        )
 
     outside = transfer._rsync("-a", f"{remote}/round-1/beta/model/", f"{tmp_path / 'stolen'}/", link=FAST)
     assert outside.returncode != 0 and not list((tmp_path / "stolen").glob("*"))
@@ -200,12 +238,17 @@ def test_a_key_confined_by_the_gate_to_the_exchange_folder_moves_everything_and_
     into_outbox = transfer._rsync(*transfer.COPY, str(aggregate / "model.safetensors"),
                                   f"{remote}/exchange/outbox/round-1/beta/model/", link=FAST)  # fmt: skip
     assert into_outbox.returncode != 0 and (beta / "model.safetensors").read_bytes() == b"beta"
-    out_of_inbox = transfer._rsync(
-        *transfer.COPY, f"{remote}/exchange/inbox/", f"{tmp_path / 'read'}/", link=FAST
-    )
-    assert out_of_inbox.returncode != 0 and not list((tmp_path / "read").glob("*"))
-    shell = transfer._run([*sshd.rsync_rsh.split(), "-o", "BatchMode=yes", sshd.host, "id"], timeout=20)
-    assert shell.returncode != 0 and "uid=" not in shell.stdout
+    into_outbox = transfer._rsync(*transfer.COPY, str(aggregate / "model.safetensors"),
+                                  f"{push_remote}/exchange/outbox/round-1/beta/model/", link=FAST)  # fmt: skip
+    assert into_outbox.returncode != 0 and (beta / "model.safetensors").read_bytes() == b"beta"
+    for host in (remote, push_remote):
+        out_of_inbox = transfer._rsync(
+            *transfer.COPY, f"{host}/exchange/inbox/", f"{tmp_path / 'read'}/", link=FAST
+        )
+        assert out_of_inbox.returncode != 0 and not list((tmp_path / "read").glob("*"))
+    for host in (sshd.host, sshd.push_host):
+        shell = transfer._run([*sshd.rsync_rsh.split(), "-o", "BatchMode=yes", host, "id"], timeout=20)
+        assert shell.returncode != 0 and "uid=" not in shell.stdout
 
 
 def test_ssh_options_and_time_limits_reach_every_transfer_and_bad_ones_are_refused(tmp_path):
@@ -230,3 +273,27 @@ def test_ssh_options_and_time_limits_reach_every_transfer_and_bad_ones_are_refus
     karo["ssh_options"] = ["Port 8822"]
     with pytest.raises(ConfigError, match="federation.remotes.karo"):
         build_run_config(config, base_dir=ROOT)
+
+
+def test_a_push_path_sends_pushes_through_the_push_keys_host_and_pulls_stay_on_path(tmp_path):
+    """Two keys for a cluster that is both pulled from and pushed into (docs/transfers.md): the push goes
+    through federation.remotes.<c>.push_path, the fetch through its path; a push_path where nothing is
+    pushed, or one that names another folder, is refused naming the key."""
+    config = demo_config(cluster="leo")
+    config["sites"]["alpha"]["cluster"] = "leo"
+    config["sites"]["beta"]["cluster"] = "karo"
+    karo = {"path": "karo-pull:/scratch/run", "push_path": "me@karo-push:/scratch/run/", "transfer": "push"}
+    config["federation"] = {"rounds": 2, "aggregate_on": "leo", "remotes": {"karo": karo}}
+    write_config(tmp_path, config)
+    jobs = dry_run(tmp_path, "results/demo/sent/karo/round-1/aggregate/model.COMPLETE",
+                   "results/demo/round-1/beta/model")  # fmt: skip
+    shells = {job.name: job.shell for job in jobs if job.name in ("push", "fetch_site_model")}
+    assert "--source karo-pull:/scratch/run/exchange/outbox/round-1/beta/model " in shells["fetch_site_model"]
+    assert "--to me@karo-push:/scratch/run " in shells["push"] and "karo-pull" not in shells["push"]
+
+    with pytest.raises(ConfigError, match=r"federation.remotes.karo.push_path: .*another folder"):
+        build_run_config({**config, "federation": {**config["federation"], "remotes": {
+            "karo": {**karo, "push_path": "me@karo-push:/scratch/other"}}}}, base_dir=ROOT)  # fmt: skip
+    with pytest.raises(ConfigError, match=r"federation.remotes.karo.push_path: .*transfer: pull"):
+        build_run_config({**config, "federation": {**config["federation"], "remotes": {
+            "karo": {**karo, "transfer": "pull"}}}}, base_dir=ROOT)  # fmt: skip

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedtune.aggregate.merge import aggregate
+from fedtune.aggregate.merge import AggregateJob, aggregate
 from fedtune.core import token_counts
 from tests.test_aggregate import options as aggregate_options
 from tests.test_aggregate import random_tensors, read_output, write_checkpoint
@@ -80,11 +80,8 @@ def test_vocab_rows_follow_the_sites_token_counts(tmp_path, server, step, state,
     start, models = sites_with_counts(tmp_path, COUNTS)
     out = tmp_path / "merged"
     record = aggregate(
-        models,
-        out,
+        AggregateJob(models, out, start=start, server_state_out=tmp_path / "state" if state else None),
         options(weights="uniform", server_optimizer=server, vocab_step=step),
-        start=start,
-        server_state_out=tmp_path / "state" if state else None,
     )
     assert record["vocab_rows"] == {"mode": "counts", "tensors": sorted(ROWS), "step": factor}
     merged, lr = read_output(out), server.get("lr", 1.0) if state else 1.0
@@ -121,10 +118,14 @@ def test_without_counts_every_row_takes_the_sites_weights(tmp_path, case):
     extra = {"vocab_rows": "weights"} if case == "vocab_rows weights" else {}
     if case == "method ties":
         extra = {"method": "ties", "server_optimizer": {"name": "sgd"}}
-    plain = aggregate(models, tmp_path / "merged", options(weights="uniform", **extra), start=start)
+    plain = aggregate(
+        AggregateJob(models, tmp_path / "merged", start=start), options(weights="uniform", **extra)
+    )
     for site in models:  # the reference: the same merge without any counts
         (models[site] / token_counts.FILE).unlink(missing_ok=True)
-    reference = aggregate(models, tmp_path / "reference", options(weights="uniform", **extra), start=start)
+    reference = aggregate(
+        AggregateJob(models, tmp_path / "reference", start=start), options(weights="uniform", **extra)
+    )
     assert plain["vocab_rows"]["tensors"] == []
     if case != "vocab_rows weights":
         assert plain["vocab_rows"]["fallback"]
@@ -136,7 +137,7 @@ def test_without_counts_every_row_takes_the_sites_weights(tmp_path, case):
 def test_a_token_nobody_saw_keeps_the_weighted_mean(tmp_path):
     counts = {"a": [3] * 4 + [0] * 28, "b": [1] * 4 + [0] * 28}
     start, models = sites_with_counts(tmp_path, counts)
-    aggregate(models, tmp_path / "merged", options(weights={"a": 1, "b": 3}), start=start)
+    aggregate(AggregateJob(models, tmp_path / "merged", start=start), options(weights={"a": 1, "b": 3}))
     merged = read_output(tmp_path / "merged")
     for name in ROWS:
         mean = 0.25 * read_output(models["a"])[name].double() + 0.75 * read_output(models["b"])[name].double()
@@ -156,13 +157,13 @@ def test_a_damaged_record_is_named_before_anything_is_merged(tmp_path, text):
     start, models = sites_with_counts(tmp_path, COUNTS)
     (models["b"] / token_counts.FILE).write_text(text)
     with pytest.raises(token_counts.TokenCountsError, match=str(models["b"] / token_counts.FILE)):
-        aggregate(models, tmp_path / "merged", options(weights="uniform"), start=start)
+        aggregate(AggregateJob(models, tmp_path / "merged", start=start), options(weights="uniform"))
     assert not (tmp_path / "merged").exists()
 
 
 @pytest.mark.parametrize(("value", "factor"), [("sites", 3.0), (2, 2.0), (0.5, 0.5), (1, 1.0)])
 def test_the_vocab_step_is_the_number_of_sites_unless_a_number_is_given(value, factor):
-    from fedtune.core.config import AggregateOptions
+    from fedtune.aggregate.options import AggregateOptions
 
     options = AggregateOptions.from_mapping({"vocab_step": value})
     assert options.vocab_factor(3) == factor
@@ -172,7 +173,8 @@ def test_the_vocab_step_is_the_number_of_sites_unless_a_number_is_given(value, f
 
 @pytest.mark.parametrize("value", [0, -1, "all", None])
 def test_a_bad_vocab_step_is_named(value):
-    from fedtune.core.config import AggregateOptions, ConfigError
+    from fedtune.aggregate.options import AggregateOptions
+    from fedtune.core.options import ConfigError
 
     with pytest.raises(ConfigError, match="vocab_step"):
         AggregateOptions.from_mapping({"vocab_step": value})

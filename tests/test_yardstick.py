@@ -11,14 +11,11 @@ import pandas as pd
 import pytest
 import torch
 
-from fedtune.core.config import (
-    ConfigError,
-    TrainOptions,
-    build_run_config,
-    participation_count,
-    sample_participants,
-)
-from fedtune.report.build import BEST_OF_SWEEP, YOUR_SETTINGS, parse_pooled_point, report
+from fedtune.core.options import ConfigError
+from fedtune.core.participation import participation_count, sample_participants
+from fedtune.report.build import BEST_OF_SWEEP, YOUR_SETTINGS, ReportJob, parse_pooled_point, report
+from fedtune.run.config import build_run_config
+from fedtune.train.options import TrainOptions
 
 from .test_aggregate import random_tensors, write_checkpoint, write_manifest
 from .workflow_harness import demo_config, dry_run, write_config
@@ -156,7 +153,7 @@ def test_the_gap_table_measures_against_your_settings_and_the_best_of_the_sweep(
     evals += write_eval(tmp_path, "pooled-lr2x", 1, {"alpha": 20.0, "beta": 50.0})  # the best
     evals += write_eval(tmp_path, "pooled-lr4x", 1, {"alpha": 15.0, "beta": 90.0})  # best on alpha only
     points = {"pooled": (0.003, 1.0), "pooled-lr2x": (0.006, 1.0), "pooled-lr4x": (0.012, 1.0)}
-    paths = report(tmp_path / "out", evals, pooled_points=points)
+    paths = report(ReportJob(tmp_path / "out", evals, pooled_points=points))
     gap = pd.read_csv(paths["gap_csv"])
     assert list(gap["yardstick"]) == [YOUR_SETTINGS, BEST_OF_SWEEP]
     yours, best = gap.iloc[0], gap.iloc[1]
@@ -173,7 +170,7 @@ def test_the_gap_table_measures_against_your_settings_and_the_best_of_the_sweep(
 def test_without_a_sweep_the_gap_has_one_yardstick(tmp_path):
     evals = write_eval(tmp_path, "aggregate", 1, {"alpha": 30.0})
     evals += write_eval(tmp_path, "pooled", 1, {"alpha": 40.0})
-    gap = pd.read_csv(report(tmp_path / "out", evals)["gap_csv"])
+    gap = pd.read_csv(report(ReportJob(tmp_path / "out", evals))["gap_csv"])
     assert list(gap["yardstick"]) == [YOUR_SETTINGS] and gap.iloc[0]["alpha"] == pytest.approx(0.75)
 
 

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
+from fedtune.tools.sample_data import site_data
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -39,42 +39,7 @@ DEEPSPEED3_OPTIONS = {"backend": "deepspeed", "zero_stage": 3, "checkpoint_every
 
 def make_site_data(root: Path, tokenizer_dir: Path, *, blocks: int = 48, shards: int = 2) -> Path:
     """Shards of packed blocks from the test corpus plus a manifest; returns the manifest path."""
-    import pyarrow as pa
-    from datasets import Dataset
-
-    from fedtune.core.models import load_tokenizer
-    from fedtune.tokenize.shards import arrow_files
-    from tests.conftest import corpus
-
-    tokenizer = load_tokenizer(tokenizer_dir)
-    ids: list[int] = []
-    for text in corpus(600):
-        ids += [tokenizer.bos_token_id, *tokenizer(text, add_special_tokens=False)["input_ids"]]
-        ids.append(tokenizer.eos_token_id)
-        if len(ids) >= blocks * BLOCK_SIZE:
-            break
-    flat = np.asarray(ids[: blocks * BLOCK_SIZE], dtype=np.int32).reshape(blocks, BLOCK_SIZE)
-    labels = flat.copy()
-    labels[::5, BLOCK_SIZE // 2 :] = -100  # some masked positions, as padding would leave
-    site = root / "data" / "site"
-    rel = []
-    for k, part in enumerate(np.array_split(np.arange(blocks), shards)):
-
-        def column(array):
-            return pa.FixedSizeListArray.from_arrays(pa.array(array.reshape(-1), type=pa.int32()), BLOCK_SIZE)
-
-        shard = site / "train" / f"shard-{k}"
-        Dataset(pa.table({"input_ids": column(flat[part]), "labels": column(labels[part])})).save_to_disk(
-            str(shard)
-        )
-        counts = {"block_size": BLOCK_SIZE, "blocks": len(part), "files": arrow_files(shard)}
-        (shard / "counts.json").write_text(json.dumps(counts))
-        rel.append(f"train/shard-{k}")
-    manifest = site / "manifest.json"
-    manifest.write_text(
-        json.dumps({"site": "site", "block_size": BLOCK_SIZE, "splits": {"train": {"shards": rel}}})
-    )
-    return manifest
+    return site_data(root, tokenizer_dir, blocks=blocks, shards=shards, block_size=BLOCK_SIZE)
 
 
 def free_port() -> int:

@@ -7,10 +7,11 @@ from pathlib import Path
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import DistilBertConfig, DistilBertForMaskedLM, PreTrainedTokenizerFast
 
-from fedtune.core.config import DatasetOptions, ModelOptions, TokenizeOptions
 from fedtune.download.demo_data import write_reviews
 from fedtune.download.fetch import download_data, download_model
-from fedtune.tokenize.shards import tokenize_shard, write_manifest
+from fedtune.download.options import DatasetOptions, ModelOptions
+from fedtune.tokenize.options import TokenizeOptions
+from fedtune.tokenize.shards import ShardJob, tokenize_shard, write_manifest
 
 w = Path(sys.argv[1])
 write_reviews(w / "reviews")
@@ -57,6 +58,6 @@ download_model(
 )
 shard = w / "data/train/shard-0"
 options = TokenizeOptions.from_mapping({"shards": 1, "block_size": 32, "task": "sequence-classification"})
-tokenize_shard(w / "raw", "train", 0, w / "model", shard, options)
+tokenize_shard(ShardJob(w / "raw", "train", 0, w / "model", shard), options)
 write_manifest([shard], w / "data/manifest.json")
 print("prepared", w)

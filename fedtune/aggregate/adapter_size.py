@@ -12,7 +12,7 @@ import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 
-from fedtune.core.config import UserError, thaw
+from fedtune.core.options import UserError, thaw
 
 ITEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "float8": 1}
 # peft's get_peft_model(autocast_adapter_dtype=True), its default, keeps LoRA weights in fp32 even on a

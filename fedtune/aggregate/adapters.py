@@ -52,8 +52,8 @@ from fedtune.aggregate.options import AggregateOptions, ServerOptimizerOptions
 from fedtune.core import cli
 from fedtune.core.atomic import atomic_dir, write_json
 from fedtune.core.checksums import sha256_file
-from fedtune.core.config import torch_dtype
 from fedtune.core.models import record_checksums, verify_checksums, weight_files
+from fedtune.core.options import torch_dtype
 from fedtune.core.safetensors_stream import (
     ST_DTYPES,
     FolderReader,
@@ -456,8 +456,10 @@ def server_factors(
     The linear server optimizers stay exact on adapters: sgd's update lr * Delta is (lr B) A, and
     fedavgm's momentum m = momentum * m_prev + Delta is m_prev's factors (B scaled by momentum) stacked
     with Delta's, so m's rank grows by the round's rank each round (8 rounds of 2 sites at r 8: 128)
-    while the update lr * m stays exactly what fedavgm does on whole models. Whole tensors (peft's
-    modules_to_save) take the same rule on their dense delta, mean - start."""
+    while the update lr * m stays exactly what fedavgm does on whole models. nesterov keeps the same m
+    and steps lr * (Delta + momentum * m): Delta's factors stacked with m's (B scaled by lr, and by lr *
+    momentum), so its update has the round's rank plus m's. Whole tensors (peft's modules_to_save) take
+    the same rule on their dense delta, mean - start."""
     whole = dict(whole or {})
     if optimizer.plain:
         return dict(factors), whole, None
@@ -481,6 +483,20 @@ def server_factors(
                 momentum[name] = (optimizer.momentum * pb + b, None)
             else:
                 momentum[name] = (torch.cat([optimizer.momentum * pb, b], dim=1), torch.cat([pa, a], dim=0))
+    if optimizer.entry.step == "nesterov":  # lr * (Delta + momentum * m), exactly, as stacked factors
+        lr, mu = optimizer.lr, optimizer.momentum
+        update = {
+            name: (
+                torch.cat([lr * factors[name][0], lr * mu * b], dim=1),
+                torch.cat([factors[name][1], a], dim=0),
+            )
+            for name, (b, a) in momentum.items()
+            if a is not None
+        }
+        stepped = {
+            key: start_whole[key] + lr * (deltas[key] + mu * momentum[f"whole:{key}"][0]) for key in whole
+        }
+        return update, stepped, momentum
     update = {name: (optimizer.lr * b, a) for name, (b, a) in momentum.items() if a is not None}
     stepped = {key: start_whole[key] + optimizer.lr * momentum[f"whole:{key}"][0] for key in whole}
     return update, stepped, momentum if optimizer.slots else None
@@ -680,28 +696,37 @@ def write_merged(
 # The whole run
 
 
-def aggregate_adapters(
-    adapters: Sequence[str | Path] | Mapping[str, str | Path],
-    out_dir: str | Path,
-    options: AggregateOptions,
-    *,
-    manifests: Mapping[str, str | Path] | None = None,
-    merge_into: str | Path | None = None,
-    merged_out: str | Path | None = None,
-    server_state_in: str | Path | None = None,
-    server_state_out: str | Path | None = None,
-    start: str | Path | None = None,
-) -> dict:
-    """Aggregate PEFT LoRA folders (a list, each site named by its folder, or site -> folder) into the
-    adapter folder `out_dir` as `options` (the aggregate section) say: adapter_merge (the mode),
-    weights (tokens from `manifests`, uniform, or site -> number; normalised here), the server
-    optimizer, dtype (of the adapter's tensors; auto: as the first site's) and max_shard_size. With
-    `merge_into` (a base model folder) also into a full model at `merged_out` (default out_dir/merged).
-    A server optimizer other than plain FedAvg (sgd or fedavgm, exact mode) turns the merged update into
-    the round's step (`server_factors`), its momentum read from `server_state_in` (none in the first
-    round) and written to `server_state_out`; tensors the sites train whole step from their values in
-    `start`, the round's start model. Returns aggregate.json."""
+@dataclass(frozen=True)
+class AdapterAggregateJob:
+    """The folders of one adapter aggregate (the CLI's paths), apart from the options: the sites'
+    adapters (a list, each site named by its folder, or site -> folder), the adapter folder `out_dir`,
+    the sites' manifests (for weights by tokens), the base model to merge into and where the merged
+    model goes, the server state read and written, and the round's start model."""
+
+    adapters: Sequence[str | Path] | Mapping[str, str | Path]
+    out_dir: str | Path
+    manifests: Mapping[str, str | Path] | None = None
+    merge_into: str | Path | None = None
+    merged_out: str | Path | None = None
+    server_state_in: str | Path | None = None
+    server_state_out: str | Path | None = None
+    start: str | Path | None = None
+
+
+def aggregate_adapters(job: AdapterAggregateJob, options: AggregateOptions) -> dict:
+    """Aggregate the PEFT LoRA folders `job.adapters` into the adapter folder `out_dir` as `options` (the
+    aggregate section) say: adapter_merge (the mode), weights (tokens from `manifests`, uniform, or site
+    -> number; normalised here), the server optimizer, dtype (of the adapter's tensors; auto: as the
+    first site's) and max_shard_size. With `merge_into` (a base model folder) also into a full model at
+    `merged_out` (default out_dir/merged). A server optimizer other than plain FedAvg (sgd, fedavgm or
+    nesterov, exact mode) turns the merged update into the round's step (`server_factors`), its momentum
+    read from `server_state_in` (none in the first round) and written to `server_state_out`; tensors the
+    sites train whole step from their values in `start`, the round's start model (each a field of
+    `job`). Returns aggregate.json."""
     started = time.perf_counter()
+    adapters, out_dir, manifests, start = job.adapters, job.out_dir, job.manifests, job.start
+    merge_into, merged_out = job.merge_into, job.merged_out
+    server_state_in, server_state_out = job.server_state_in, job.server_state_out
     mode, dtype, optimizer = options.adapter_merge, options.dtype, options.server_optimizer
     _check_arguments(out_dir, merge_into, merged_out)
     problem = optimizer.adapter_problem(mode)
@@ -997,7 +1022,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="folder of the merged model (default: OUT/merged)",
     )
     parser.add_argument(
-        "--server-state-in", default=None, metavar="DIR", help="the previous round's server state (fedavgm)"
+        "--server-state-in",
+        default=None,
+        metavar="DIR",
+        help="the previous round's server state (fedavgm, nesterov)",
     )
     parser.add_argument(
         "--start", default=None, metavar="MODEL_DIR", help="the round's start model (for whole tensors' step)"
@@ -1012,10 +1040,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise AdapterAggregateError("--merge needs --base (the model to add the adapter's update to)")
         merge_adapter(args.merge, args.base, args.out, max_shard_size=options.max_shard_size)
         return
-    aggregate_adapters(
+    job = AdapterAggregateJob(
         _adapter_pairs(args.adapters),
         args.out,
-        options,
         manifests=parse_pairs(args.manifest, "--manifest"),
         merge_into=args.merge_into,
         merged_out=args.merged_output,
@@ -1023,6 +1050,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         server_state_out=args.server_state_out,
         start=args.start,
     )
+    aggregate_adapters(job, options)
 
 
 def _adapter_pairs(items: Sequence[str]) -> dict[str, str]:

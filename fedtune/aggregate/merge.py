@@ -9,7 +9,7 @@ fp32, whatever the model size, so a 7B merge fits on a login node.
 
 Before any of that, every site must agree on tensor names, shapes and dtypes, on the model config and on
 the tokenizer (fedtune.aggregate.model_compat lists every difference). The settings arrive as one
-AggregateOptions (`--options`), checked when it was made (fedtune.core.config); this module checks only
+AggregateOptions (`--options`), checked when it was made (fedtune.run.config); this module checks only
 what the options need of the other arguments (a start model, a state folder, the sites' weights)."""
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from fedtune.aggregate.server_optimizers import fedexp_scale, slots, step
 from fedtune.core import cli, exchange, token_counts
 from fedtune.core.atomic import atomic_dir, write_json
 from fedtune.core.checksums import SOURCE_RECORD, sha256_file
-from fedtune.core.config import ConfigError, UserError, check_weights, torch_dtype
 from fedtune.core.models import record_checksums, verify_checksums
+from fedtune.core.options import ConfigError, UserError, check_weights, torch_dtype
 from fedtune.core.safetensors_stream import (
     ST_DTYPES,
     FolderReader,
@@ -427,37 +427,32 @@ class NonFiniteError(AggregateError):
         )
 
 
-def aggregate(
-    models: Mapping[str, str | Path],
-    out_dir: str | Path,
-    options: AggregateOptions | None = None,
-    *,
-    manifests: Mapping[str, str | Path] | None = None,
-    start: str | Path | None = None,
-    server_state_in: str | Path | None = None,
-    server_state_out: str | Path | None = None,
-    checksums: bool = True,
-) -> dict:
-    """Merge the site models `models` into `out_dir` (see `_aggregate`). A site found non-finite stops
-    the merge with an error, or (aggregate.non_finite: leave_out) the round is merged again without it
-    and aggregate.json's `left_out` says so."""
+@dataclass(frozen=True)
+class AggregateJob:
+    """The folders of one merge (the CLI's paths), apart from the options: the site models (site ->
+    model folder), the output folder, the sites' manifests (for weights by tokens), the round's start
+    model, the server state read and written; `checksums`: verify and record the files' sha256."""
+
+    models: Mapping[str, str | Path]
+    out_dir: str | Path
+    manifests: Mapping[str, str | Path] | None = None
+    start: str | Path | None = None
+    server_state_in: str | Path | None = None
+    server_state_out: str | Path | None = None
+    checksums: bool = True
+
+
+def aggregate(job: AggregateJob, options: AggregateOptions | None = None) -> dict:
+    """Merge the site models `job.models` into `job.out_dir` (see `_aggregate`). A site found
+    non-finite stops the merge with an error, or (aggregate.non_finite: leave_out) the round is merged
+    again without it and aggregate.json's `left_out` says so."""
     options = options or AggregateOptions.from_mapping({})
-    models = dict(models)
-    manifests = dict(manifests or {})
+    models = dict(job.models)
+    manifests = dict(job.manifests or {})
     left_out: list[dict] = []
     while True:
         try:
-            return _aggregate(
-                models,
-                out_dir,
-                options,
-                manifests=manifests,
-                start=start,
-                server_state_in=server_state_in,
-                server_state_out=server_state_out,
-                checksums=checksums,
-                left_out=left_out,
-            )
+            return _aggregate(dataclasses.replace(job, models=models, manifests=manifests), options, left_out)
         except NonFiniteError as error:
             if options.non_finite != "leave_out":
                 raise
@@ -476,20 +471,9 @@ def aggregate(
                 options = dataclasses.replace(options, weights=weights)
 
 
-def _aggregate(
-    models: Mapping[str, str | Path],
-    out_dir: str | Path,
-    options: AggregateOptions,
-    *,
-    manifests: Mapping[str, str | Path],
-    start: str | Path | None,
-    server_state_in: str | Path | None,
-    server_state_out: str | Path | None,
-    checksums: bool,
-    left_out: Sequence[dict],
-) -> dict:
+def _aggregate(job: AggregateJob, options: AggregateOptions, left_out: Sequence[dict]) -> dict:
     """Merge the site models `models` (site -> model folder) into `out_dir` as `options` say (the
-    aggregate section; its defaults when None); returns aggregate.json.
+    aggregate section; its defaults when None); returns aggregate.json. The folders are `job`'s fields.
 
     `start` is the model the round started from: the base of the task vectors and of the server
     optimizer's step (not read when the method's weighted mean is the result: fedavg with sgd at lr 1
@@ -500,6 +484,8 @@ def _aggregate(
     compatibility) runs before the first byte is written; the options were checked when they were
     made."""
     started = time.perf_counter()
+    models, out_dir, manifests, start = job.models, job.out_dir, job.manifests or {}, job.start
+    server_state_in, server_state_out, checksums = job.server_state_in, job.server_state_out, job.checksums
     method = merge_method(options.method)
     optimizer = options.server_optimizer
     if server_state_in is None and server_state_out is None and optimizer.plain_first_step:
@@ -1011,16 +997,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--no-checksums", action="store_true", help="skip the sha256 of inputs and outputs")
     args = parser.parse_args(argv)
-    aggregate(
+    job = AggregateJob(
         parse_pairs(args.model, "--model"),
         args.out,
-        AggregateOptions.from_json(args.options),
         manifests=parse_pairs(args.manifest, "--manifest"),
         start=args.start,
         server_state_in=args.server_state_in,
         server_state_out=args.server_state_out,
         checksums=not args.no_checksums,
     )
+    aggregate(job, AggregateOptions.from_json(args.options))
 
 
 if __name__ == "__main__":

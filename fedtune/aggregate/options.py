@@ -85,8 +85,9 @@ SERVER_OPTIMIZERS: dict[str, ServerOptimizerEntry] = {
         ServerOptimizerEntry(
             "fedavgm", "fedavgm", {"lr": 1.0, "momentum": 0.5}, ("m",), low_rank=True, plain_first_step=True
         ),
-        # DiLoCo's outer step (Nesterov momentum): m = momentum * m + delta, lr * (delta + momentum * m)
-        ServerOptimizerEntry("nesterov", "nesterov", {"lr": 1.0, "momentum": 0.5}, ("m",)),
+        # DiLoCo's outer step (Nesterov momentum): m = momentum * m + delta, lr * (delta + momentum * m);
+        # on adapters delta's factors stacked with m's (fedtune.aggregate.adapters.server_factors)
+        ServerOptimizerEntry("nesterov", "nesterov", {"lr": 1.0, "momentum": 0.5}, ("m",), low_rank=True),
         # sgd's step; the merge scales it by the extrapolation factor, which reads every site's update
         ServerOptimizerEntry("fedexp", "sgd", {"lr": 1.0}, extrapolates=True),
         ServerOptimizerEntry("fedadam", "fedadam", _ADAPTIVE, ("m", "v")),

@@ -8,7 +8,7 @@ launch. PyTorch's CUDA 12.8 and 13.0 wheels dropped Volta (sm_70, the V100s of I
 
 from __future__ import annotations
 
-from fedtune.core.config import UserError
+from fedtune.core.options import UserError
 
 # Where a build that drives each architecture comes from, for the error message. Volta's last wheels:
 # the CUDA 12.6 builds (2.11 and later dropped sm_70 only from the 12.8 and 13.0 builds).

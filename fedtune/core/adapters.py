@@ -8,14 +8,16 @@ adapter is what trains, what checkpoints hold and what a site exports, as a PEFT
                                                         model folder loads as it is
 
 fedtune.aggregate.adapters combines the sites' adapters; the next round starts from the base with the
-aggregate merged in and fresh adapters (FLoRA), so an adapter never grows from round to round."""
+aggregate merged in and fresh adapters (FLoRA), so an adapter never grows from round to round. An
+`adapter` here is the train stage's AdapterOptions (train.adapter), read by its attributes: core imports
+no stage."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from fedtune.core.config import CLASSIFICATION, AdapterOptions, ConfigError, UserError
+from fedtune.core.options import CLASSIFICATION, ConfigError, UserError
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -29,7 +31,7 @@ def is_adapter(folder: str | Path) -> bool:
     return (Path(folder) / ADAPTER_CONFIG).is_file()
 
 
-def lora_config(adapter: AdapterOptions, task: str):
+def lora_config(adapter, task: str):
     """peft's LoraConfig of the train.adapter section (fedtune/schemas/train.schema.yaml)."""
     from peft import LoraConfig, TaskType
 
@@ -47,7 +49,7 @@ def lora_config(adapter: AdapterOptions, task: str):
     )
 
 
-def check_quantize(adapter: AdapterOptions, device) -> None:
+def check_quantize(adapter, device) -> None:
     """QLoRA's 4-bit base runs on bitsandbytes' CUDA kernels only: refused before the model loads."""
     if not adapter.quantized:
         return
@@ -87,7 +89,7 @@ def load_quantized(model_dir, *, task: str, device, allow_pickle: bool = False):
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
 
-def wrap(model, adapter: AdapterOptions, task: str):
+def wrap(model, adapter, task: str):
     """The model with a fresh LoRA adapter: only the adapter (and modules_to_save) requires grad. The
     adapter's A matrices are drawn from torch's generator, so ranks seeded alike build the same one."""
     from peft import get_peft_model
@@ -105,7 +107,7 @@ def write_adapter(model, state: dict, folder: Path, dtype: str) -> None:
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import save_file
 
-    from fedtune.core.config import torch_dtype
+    from fedtune.core.options import torch_dtype
 
     saved = get_peft_model_state_dict(model, state_dict=state)
     cast = torch_dtype(dtype)

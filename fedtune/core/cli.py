@@ -15,8 +15,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from fedtune.core.config import UserError
 from fedtune.core.job_record import JobRecord
+from fedtune.core.options import UserError
 from fedtune.core.secrets import redact
 
 EXIT_USER_ERROR = 2

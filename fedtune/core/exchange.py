@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 from fedtune.core.checksums import folder_identity, weight_digests
-from fedtune.core.config import ExchangeOptions, UserError
+from fedtune.core.exchange_options import ExchangeOptions
+from fedtune.core.options import UserError
 
 HEADER_KEY = "fedtune.exchange"
 SCALE = ":scale"

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from fedtune.core.checksums import sha256_file
-from fedtune.core.config import CAUSAL_LM, CLASSIFICATION, TASKS, UserError, torch_dtype
+from fedtune.core.options import CAUSAL_LM, CLASSIFICATION, TASKS, UserError, torch_dtype
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 

@@ -3,7 +3,7 @@ for keys, types and defaults) and their default-filling validation, the user err
 cannot express that several stages call, and `_Options`, the frozen options objects' JSON form (the
 rule -> CLI boundary).
 
-The stages' options live beside them (fedtune/<stage>/options.py); fedtune.core.config composes them
+The stages' options live beside them (fedtune/<stage>/options.py); fedtune.run.config composes them
 into the run's config. This module sits below both, so it imports nothing from fedtune and no torch at
 import time (Snakemake's start-up stays fast)."""
 

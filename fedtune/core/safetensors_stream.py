@@ -26,7 +26,7 @@ import torch
 
 from fedtune.core.atomic import write_json
 from fedtune.core.checksums import sha256_file
-from fedtune.core.config import UserError
+from fedtune.core.options import UserError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

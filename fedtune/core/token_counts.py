@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from fedtune.core.atomic import write_json
-from fedtune.core.config import UserError
+from fedtune.core.options import UserError
 
 FILE = "token_counts.json"
 

@@ -12,10 +12,10 @@ The config's `tracking` section (fedtune/schemas/tracking.schema.yaml) picks the
 libraries are the optional extra `[tracking]` and imported only when a backend needs them.
 
 Where the stages call it (rank 0 only):
-    train      tracker = start(tracking, run=..., round=r, site=site, job_type="train", config=options, ...)
+    train      tracker = start(tracking, TrackedRun(run, r, site), "train", options)
                per step: tracker.log(*loss_row_metrics(row)); at the end: tracker.log_summary(summary)
     evaluate   log_evaluation(tracking, result, run=..., run_dir=...)  (the result JSON it writes)
-    aggregate  log_aggregate(tracking, record, run=..., round=r, run_dir=...)  (aggregate.json)
+    aggregate  log_aggregate(tracking, record, TrackedRun(run, r, run_dir=...))  (aggregate.json)
 
 After the fact (a finished stage, or a run trained before tracking was on), from the files themselves:
     python -m fedtune.core.tracking training --path round-1/alpha/model --round 1 --site alpha --run-name R --tracking JSON
@@ -28,10 +28,12 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from fedtune.core import cli
-from fedtune.core.config import TrackingOptions, UserError
+from fedtune.core.options import UserError
+from fedtune.core.tracking_options import TrackingOptions
 
 DEFAULT_PROJECT = "fedtune"
 LOSS_HEADER = "step,epoch,loss,lr,grad_norm,tokens_per_s,peak_mem_mb"
@@ -220,19 +222,23 @@ def from_options(tracking: Tracking, *, group: str, job_type: str) -> Tracker:
     return Tracker()
 
 
-def start(
-    tracking: Tracking,
-    *,
-    run: str,
-    round: int,
-    site: str,
-    job_type: str,
-    config: Mapping,
-    run_dir: str | Path,
-) -> Tracker:
+@dataclass(frozen=True)
+class TrackedRun:
+    """Which tracked run a job writes to: the run's name, the round and the site (`aggregate` for the
+    merged model), and the run folder that a relative tracking dir is read against."""
+
+    run: str
+    round: int
+    site: str = "aggregate"
+    run_dir: str | Path | None = None
+
+
+def start(tracking: Tracking, where: TrackedRun, job_type: str, config: Mapping) -> Tracker:
     """The opened tracker of (run, round, site) for one job."""
-    tracker = from_options(tracking, group=run, job_type=job_type)
-    return tracker.open(run_name(run, round, site), config, tracking_dir(tracking, run_dir))
+    tracker = from_options(tracking, group=where.run, job_type=job_type)
+    return tracker.open(
+        run_name(where.run, where.round, where.site), config, tracking_dir(tracking, where.run_dir)
+    )
 
 
 def loss_row_metrics(row: str, header: str = LOSS_HEADER) -> tuple[int, dict]:
@@ -265,9 +271,8 @@ def log_evaluation(
     if not options_of(tracking).on:
         return
     config = {"site": result["site"], "model": result["model"], "split": result.get("split")}
-    with start(
-        tracking, run=run, round=result["round"], site=result["model"], job_type="evaluate", config=config, run_dir=run_dir
-    ) as tracker:  # fmt: skip
+    where = TrackedRun(run, result["round"], result["model"], run_dir)
+    with start(tracking, where, "evaluate", config) as tracker:
         metrics = evaluation_metrics(result)
         tracker.log_every = 1  # log_every thins training steps, not the one point of a result
         tracker.log(result["round"], metrics)
@@ -285,10 +290,8 @@ def aggregate_metrics(record: Mapping) -> dict:
     return metrics
 
 
-def log_aggregate(
-    tracking: Tracking, record: Mapping, *, run: str, round: int, run_dir: str | Path | None = None
-) -> None:
-    """Send one aggregate.json record to the tracked run (run, round, aggregate)."""
+def log_aggregate(tracking: Tracking, record: Mapping, where: TrackedRun) -> None:
+    """Send one aggregate.json record to the tracked run `where` (run, round, aggregate)."""
     if not options_of(tracking).on:
         return
     config = {
@@ -296,34 +299,22 @@ def log_aggregate(
         "dtype": record.get("dtype"),
         "weights": record.get("weights", {}).get("source"),
     }
-    with start(
-        tracking, run=run, round=round, site="aggregate", job_type="aggregate", config=config, run_dir=run_dir
-    ) as tracker:  # fmt: skip
+    with start(tracking, where, "aggregate", config) as tracker:
         metrics = aggregate_metrics(record)
         tracker.log_every = 1
-        tracker.log(round, metrics)
+        tracker.log(where.round, metrics)
         tracker.log_summary({**metrics, "aggregate/method": record.get("method")})
 
 
-def log_training_folder(
-    tracking: Tracking,
-    model_dir: str | Path,
-    *,
-    run: str,
-    round: int,
-    site: str,
-    run_dir: str | Path | None = None,
-) -> int:
-    """Send a finished site model's loss.csv and training.json (as train wrote them) to its tracked run,
-    after the fact: for runs trained before tracking was on. Returns the rows sent."""
+def log_training_folder(tracking: Tracking, model_dir: str | Path, where: TrackedRun) -> int:
+    """Send a finished site model's loss.csv and training.json (as train wrote them) to its tracked run
+    `where`, after the fact: for runs trained before tracking was on. Returns the rows sent."""
     model_dir = Path(model_dir)
     lines = (model_dir / "loss.csv").read_text().splitlines()
     summary = json.loads((model_dir / "training.json").read_text())
     if not lines or lines[0].strip() != LOSS_HEADER:
         raise TrackingError(f"{model_dir / 'loss.csv'}: expected the header {LOSS_HEADER}")
-    with start(
-        tracking, run=run, round=round, site=site, job_type="train", config=summary.get("options", {}), run_dir=run_dir
-    ) as tracker:  # fmt: skip
+    with start(tracking, where, "train", summary.get("options", {})) as tracker:
         for line in lines[1:]:
             tracker.log(*loss_row_metrics(line, lines[0]))
         tracker.log_summary({k: v for k, v in summary.items() if k != "options"})
@@ -353,9 +344,9 @@ def main(argv=None) -> int:
             f"{args.what}: needs --round" + (" and --site" if args.what == "training" else "")
         )
     elif args.what == "aggregate":
-        log_aggregate(options, cli.json_file(args.path, "--path"), run=args.run_name, round=args.round)
+        log_aggregate(options, cli.json_file(args.path, "--path"), TrackedRun(args.run_name, args.round))
     else:
-        log_training_folder(options, args.path, run=args.run_name, round=args.round, site=args.site)
+        log_training_folder(options, args.path, TrackedRun(args.run_name, args.round, args.site))
     return 0
 
 

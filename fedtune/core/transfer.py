@@ -64,7 +64,8 @@ from pathlib import Path
 from fedtune.core import cli
 from fedtune.core.atomic import atomic_dir, remove_stale, write_text
 from fedtune.core.checksums import model_identity, sha256_file
-from fedtune.core.config import UserError, parse_duration
+from fedtune.core.durations import parse_duration
+from fedtune.core.options import UserError
 
 MARKER = ".COMPLETE"
 # What other clusters reach, and nothing else: an ssh key confined to <run>/exchange suffices.
@@ -535,16 +536,61 @@ def _skipped(result: Outcome) -> str | None:
     return None
 
 
-def fetch(
-    source: str, out: str | Path, *, wait: float = 0, label: str = "", check: str = "",
-    rsync: str = "rsync", first: float = 2.0, most: float = 300.0, link: Link = Link(),
-    start: str | Path | None = None,
-) -> Path:  # fmt: skip
+@dataclass(frozen=True)
+class WaitOptions:
+    """How a transfer waits: up to `wait` seconds, polling first after `first` seconds and then at most
+    `most` apart (Waiter); `label` names what it waits for, `check` what to check where when the wait
+    ends unfulfilled."""
+
+    wait: float = 0
+    label: str = ""
+    check: str = ""
+    first: float = 2.0
+    most: float = 300.0
+
+
+@dataclass(frozen=True)
+class FetchJob:
+    """One fetch: the rsync `source` (a folder or file another cluster marked complete), the output,
+    the round's start model here (a model made from another start is stale), and the rsync command."""
+
+    source: str
+    out: str | Path
+    start: str | Path | None = None
+    rsync: str = "rsync"
+
+
+@dataclass(frozen=True)
+class PushJob:
+    """One push: this cluster's run folder, the item (a path inside it), the other cluster's run folder
+    as rsync reaches it, and the rsync command."""
+
+    run: str | Path
+    item: str
+    to: str
+    rsync: str = "rsync"
+
+
+@dataclass(frozen=True)
+class ReceiveJob:
+    """One receive: this cluster's run folder, the item (a path inside it), the output, the cluster that
+    makes it and this one (named in the messages), and the round's start model here (as FetchJob's)."""
+
+    run: str | Path
+    item: str
+    out: str | Path
+    maker: str = ""
+    here: str = ""
+    start: str | Path | None = None
+
+
+def fetch(job: FetchJob, waiting: WaitOptions = WaitOptions(), link: Link = Link()) -> Path:
     """Pull `source` (a folder or file another cluster marked complete) into `out`. A call that fails
     (no connection, login refused, a stall) is retried with backoff up to `wait`; a copy that fails
     verification is fetched again at once, at most ATTEMPTS times. With `start` (the round's start model
     here), a model made from another start is stale: deleted, and looked for again (stale)."""
-    out = Path(out)
+    source, out, start, rsync = job.source, Path(job.out), job.start, job.rsync
+    wait, label, check, first, most = waiting.wait, waiting.label, waiting.check, waiting.first, waiting.most
     if shutil.which(rsync) is None:
         raise TransferError(f"{rsync} not found: install rsync to fetch models from other clusters")
     source = source.rstrip("/")
@@ -627,14 +673,12 @@ def fetch(
     return out
 
 
-def push(
-    run: str | Path, item: str, to: str, *, wait: float = 0, label: str = "", check: str = "",
-    rsync: str = "rsync", first: float = 2.0, most: float = 300.0, link: Link = Link(),
-) -> str:  # fmt: skip
+def push(job: PushJob, waiting: WaitOptions = WaitOptions(), link: Link = Link()) -> str:
     """Send run/item (marked complete here, or marked now) into `to`/exchange/inbox/item, marker last. The
     item's old marker there is withdrawn first, so that the receiver never takes a copy being replaced (or
     a stale one) for the current one."""
-    run = Path(run)
+    run, item, to, rsync = Path(job.run), job.item, job.to, job.rsync
+    wait, label, check, first, most = waiting.wait, waiting.label, waiting.check, waiting.first, waiting.most
     local = run / item
     if not local.exists():
         raise TransferError(f"{local} does not exist: nothing to push")
@@ -771,13 +815,12 @@ def _copy_out(
     return None
 
 
-def receive(
-    run: str | Path, item: str, out: str | Path, *, wait: float = 0, label: str = "", check: str = "",
-    first: float = 2.0, most: float = 300.0, maker: str = "", here: str = "", start: str | Path | None = None,
-) -> Path:  # fmt: skip
+def receive(job: ReceiveJob, waiting: WaitOptions = WaitOptions()) -> Path:
     """Wait for `item` pushed into run/exchange/inbox by its maker, copy it to `out` and verify the copy.
     The inbox item stays (until a new push replaces it): a deleted `out` is received again from it, without
     the sender. A copy that fails verification is deleted from the inbox; the wait goes on for a new push."""
+    run, item, out, maker, here, start = job.run, job.item, job.out, job.maker, job.here, job.start
+    wait, label, check, first, most = waiting.wait, waiting.label, waiting.check, waiting.first, waiting.most
     inbox = Path(run) / INBOX
     staged = inbox / item
     # The inbox exists from the first wait on, so that the first push (which makes only the last
@@ -956,15 +999,16 @@ def main(argv=None) -> int:
     wait = parse_duration(args.wait, "--wait") if str(args.wait).strip() not in ("0", "") else 0.0
     # Short waits look often (tests, a shared file system); long ones every 5 minutes at most.
     most = args.poll_max if args.poll_max is not None else max(2.0, min(300.0, wait / 100))
-    common = dict(wait=wait, label=_label(args), check=args.check, first=args.poll, most=most)
+    waiting = WaitOptions(wait, _label(args), args.check, first=args.poll, most=most)
     if args.command == "fetch":
-        fetch(args.source, args.out, **common, link=_link(args), start=args.start)
+        fetch(FetchJob(args.source, args.out, start=args.start), waiting, _link(args))
     elif args.command == "push":
-        pushed = push(args.run, args.item, args.to, **common, link=_link(args))
+        pushed = push(PushJob(args.run, args.item, args.to), waiting, _link(args))
         if args.receipt:
             write_text(args.receipt, pushed + "\n")
     else:
-        receive(args.run, args.item, args.out, **common, maker=args.remote, here=args.here, start=args.start)
+        job = ReceiveJob(args.run, args.item, args.out, maker=args.remote, here=args.here, start=args.start)
+        receive(job, waiting)
     return 0
 
 

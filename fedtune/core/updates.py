@@ -19,6 +19,7 @@ import json
 import shutil
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,7 +27,6 @@ import torch
 from fedtune.core import cli
 from fedtune.core.atomic import atomic_dir, write_json
 from fedtune.core.checksums import SOURCE_RECORD
-from fedtune.core.config import ExchangeOptions
 from fedtune.core.exchange import (
     CHECKSUMS,
     HEADER_KEY,
@@ -42,6 +42,7 @@ from fedtune.core.exchange import (
     read_header,
     start_identity,
 )
+from fedtune.core.exchange_options import ExchangeOptions
 from fedtune.core.models import record_checksums, verify_checksums
 from fedtune.core.safetensors_stream import (
     INDEX_FILE,
@@ -95,20 +96,26 @@ def _check_lined_up(site: WeightFolder, other: WeightFolder, what: str) -> None:
         )
 
 
-def compress(
-    model_dir: str | Path,
-    start_dir: str | Path,
-    out_dir: str | Path,
-    options: ExchangeOptions,
-    *,
-    residual_in: str | Path | None = None,
-    residual_out: str | Path | None = None,
-    label: str = "the site model",
-) -> dict:
+@dataclass(frozen=True)
+class CompressJob:
+    """The folders of one compression (the CLI's paths), apart from the options: the model, the start
+    model it is the update of, the update's folder, the residual of the previous round (read) and of
+    this one (written), and what the messages call the model."""
+
+    model_dir: str | Path
+    start_dir: str | Path
+    out_dir: str | Path
+    residual_in: str | Path | None = None
+    residual_out: str | Path | None = None
+    label: str = "the site model"
+
+
+def compress(job: CompressJob, options: ExchangeOptions) -> dict:
     """Write the update of `model_dir` against `start_dir` into `out_dir` (atomically), with the
-    residual of the previous round added and this round's written to `residual_out`. Returns
-    update.json's record: bytes of the model and of the update, per-tensor error."""
-    model_dir, start_dir, out_dir = Path(model_dir), Path(start_dir), Path(out_dir)
+    residual of the previous round added and this round's written to `residual_out` (`job`'s fields).
+    Returns update.json's record: bytes of the model and of the update, per-tensor error."""
+    model_dir, start_dir, out_dir = Path(job.model_dir), Path(job.start_dir), Path(job.out_dir)
+    residual_in, residual_out, label = job.residual_in, job.residual_out, job.label
     if not options.compressed:
         raise ExchangeError("federation.exchange.dtype: full sends the model; there is no update to compress")
     site = read_weights("site", model_dir, label)
@@ -311,15 +318,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     unpacking.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     if args.command == "compress":
-        compress(
+        job = CompressJob(
             args.model,
             args.start,
             args.out,
-            ExchangeOptions.from_json(args.options),
             residual_in=args.residual_in,
             residual_out=args.residual_out,
             label=args.label,
         )
+        compress(job, ExchangeOptions.from_json(args.options))
     else:
         decode_folder(args.update, args.start, args.out, args.label)
 

@@ -13,7 +13,7 @@ With --task sequence-classification, `data` also checks the label column (intege
 0..--num-labels - 1) and `model` saves the base model with a classification head of model.num_labels
 classes (new and seeded with model.seed unless the checkpoint has one of that size).
 
-`--options` is a site's DatasetOptions or the ModelOptions (fedtune.core.config): the config's
+`--options` is a site's DatasetOptions or the ModelOptions (fedtune.download.options): the config's
 `sites.<site>.dataset` or `model` section as build_run_config checked it (a partial section gets the
 schema's defaults).
 Hub tokens come from the environment (HF_TOKEN), never from the config or the command line."""
@@ -31,19 +31,18 @@ from urllib.parse import quote
 from fedtune.core import checksums, cli
 from fedtune.core import data_files as data_file_checks
 from fedtune.core.atomic import atomic_dir, write_json
-from fedtune.core.config import (
+from fedtune.core.options import (
     CAUSAL_LM,
     CLASSIFICATION,
     TASKS,
     ConfigError,
-    DatasetOptions,
-    ModelOptions,
     UserError,
     label_problem,
     parse_json,
     thaw,
     torch_dtype,
 )
+from fedtune.download.options import DatasetOptions, ModelOptions
 
 SPLITS = ("train", "test")
 

@@ -17,7 +17,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from fedtune.core.checksums import sha256_file
-from fedtune.core.config import UserError, torch_dtype
+from fedtune.core.options import UserError, torch_dtype
 
 
 class GGUFError(UserError):

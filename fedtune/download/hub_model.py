@@ -19,7 +19,8 @@ import re
 import shutil
 from pathlib import Path
 
-from fedtune.core.config import ModelOptions, UserError
+from fedtune.core.options import UserError
+from fedtune.download.options import ModelOptions
 
 # What save_pretrained folders on the hub hold besides weights: config, generation settings and every
 # tokenizer file format (tokenizer.json, sentencepiece *.model, BPE vocab/merges, chat templates).

@@ -14,15 +14,17 @@ from pathlib import Path
 import yaml
 
 from fedtune.core.atomic import atomic_dir, write_json, write_text
-from fedtune.core.config import check_downstream_installed, downstream_task, resolve_path
 from fedtune.core.lm_eval_tasks import (
     DATA,
     DATASETS_CACHE,
     INCLUDE,
     RECORD,
     DownstreamError,
+    check_downstream_installed,
     check_known,
+    downstream_task,
     lm_eval_version,
+    resolve_path,
     task_manager,
     use_datasets_cache,
 )

@@ -30,20 +30,22 @@ import io
 import math
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from fedtune.core import cli
 from fedtune.core.atomic import write_json, write_text
-from fedtune.core.config import EvaluateOptions, check_downstream_installed
 from fedtune.core.lm_eval_tasks import (
     DATASETS_CACHE,
     INCLUDE,
     RECORD,
     DownstreamError,
+    check_downstream_installed,
     check_known,
     task_manager,
     use_datasets_cache,
 )
+from fedtune.evaluate.options import EvaluateOptions
 
 CSV_COLUMNS = ["model", "round", "entry", "task", "metric", "value"]
 
@@ -94,27 +96,36 @@ def read_tasks_dir(folder: str | Path) -> dict:
 # Scoring
 
 
+@dataclass(frozen=True)
+class TaskJob:
+    """One model scored on lm-eval tasks (the CLI's paths and task names), apart from the options: the
+    model folder, the tasks, the folders of task YAMLs (`include_path`), whether lm-eval's own registry
+    is read too, and the base model of an adapter folder (train.adapter)."""
+
+    model_dir: str | Path
+    tasks: Sequence[str]
+    include_path: Sequence[str | Path] = ()
+    registry: bool = True
+    base: str | Path | None = None
+
+
 def run_tasks(
-    model_dir: str | Path,
-    tasks: Sequence[str],
-    *,
-    include_path: Sequence[str | Path] = (),
-    registry: bool = True,
-    batch_size: int = 8,
-    device: str | None = None,
-    limit: int | None = None,
-    num_fewshot: int | None = None,
-    dtype: str | None = None,
-    base: str | Path | None = None,
+    job: TaskJob, options: EvaluateOptions | None = None, device: str | None = None
 ) -> tuple[dict[str, dict[str, float]], dict[str, str]]:
     """lm-eval's scores of the model on the tasks ({task: {metric: value}}), and each scored task's
-    entry (a requested task or the requested group it belongs to). An adapter folder (train.adapter) is
-    scored on its `base`, unmerged (lm-eval's own peft argument)."""
+    entry (a requested task or the requested group it belongs to), with the options' batch_size, dtype,
+    task_limit and num_fewshot (their defaults when None). An adapter folder (train.adapter) is scored
+    on its `base`, unmerged (lm-eval's own peft argument)."""
     import lm_eval
 
     from fedtune.core import adapters
 
-    model_dir = Path(model_dir)
+    options = options or EvaluateOptions.from_mapping({})
+    tasks, include_path, registry, base = job.tasks, job.include_path, job.registry, job.base
+    batch_size, limit, num_fewshot, dtype = (
+        options.batch_size, options.task_limit, options.num_fewshot, options.dtype
+    )  # fmt: skip
+    model_dir = Path(job.model_dir)
     adapter = adapters.is_adapter(model_dir)
     if adapter and base is None:
         raise DownstreamError(f"--model: {model_dir} is an adapter folder; give its base model (--base)")
@@ -197,11 +208,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         registry = any(t["yaml"] is None for t in record["tasks"])
     if not tasks:
         raise DownstreamError("--tasks: name at least one task (or give --tasks-dir)")
-    table, entries = run_tasks(
-        args.model, tasks, include_path=include_path, registry=registry, batch_size=options.batch_size,
-        device=args.device, limit=options.task_limit, num_fewshot=options.num_fewshot, dtype=options.dtype,
-        base=args.base,
-    )  # fmt: skip
+    job = TaskJob(args.model, tasks, include_path=include_path, registry=registry, base=args.base)
+    table, entries = run_tasks(job, options, args.device)
     label = args.label or Path(args.model).name
     if args.out.endswith(".csv"):
         write_text(args.out, to_csv(table, entries, label, args.round))

@@ -27,18 +27,17 @@ from pathlib import Path
 from fedtune.core import adapters, cli, tracking
 from fedtune.core.accelerators import check_device
 from fedtune.core.atomic import write_json
-from fedtune.core.config import (
-    CAUSAL_LM,
+from fedtune.core.models import load_tokenizer
+from fedtune.core.options import (
     CLASSIFICATION,
-    EvaluateOptions,
-    TrackingOptions,
     UserError,
     check_fits,
     check_template,
     label_problem,
 )
-from fedtune.core.models import load_tokenizer
 from fedtune.core.progress import track
+from fedtune.core.tracking_options import TrackingOptions
+from fedtune.evaluate.options import EvaluateOptions
 from fedtune.tokenize.shards import TokenizeError, encode_documents, encode_examples
 
 
@@ -237,9 +236,7 @@ def evaluate_classifier(job: EvalJob, options: EvaluateOptions, device: str, loa
     labels = np.asarray(data.with_format("numpy")[label_field])
     if len(labels) == 0:
         raise EvaluateError(f"{data_dir} ({split}): no documents to classify")
-    model, tokenizer = loaded or load(
-        model_dir, base=job.base, task=CLASSIFICATION, dtype=options.dtype, device=device
-    )
+    model, tokenizer = loaded or load(model_dir, options, device, job.base)
     num_labels = model.config.num_labels
     problem = label_problem(labels, num_labels)
     if problem:
@@ -277,10 +274,11 @@ def evaluate_classifier(job: EvalJob, options: EvaluateOptions, device: str, loa
     }
 
 
-def load(model_dir, *, base=None, task: str = CAUSAL_LM, dtype: str | None = None, device: str = "cpu"):
-    """(model on `device`, in eval mode; tokenizer) of a model folder, or of a base + adapter folder."""
+def load(model_dir, options: EvaluateOptions, device: str = "cpu", base=None):
+    """(model on `device`, in eval mode; tokenizer) of a model folder, or of a base + adapter folder, for
+    the options' task, in their dtype."""
     tokenizer = load_tokenizer(adapters.weights_folder(model_dir, base))
-    model = adapters.load_model(model_dir, base=base, task=task, dtype=dtype)
+    model = adapters.load_model(model_dir, base=base, task=options.task, dtype=options.dtype)
     return model.to(device).eval(), tokenizer
 
 
@@ -295,7 +293,7 @@ def evaluate(
     started = time.perf_counter()
     task, max_length, stride = options.task, options.max_length, options.stride
     batch_size, max_documents = options.batch_size, options.max_documents
-    dtype, add_bos = options.dtype, options.add_bos
+    add_bos = options.add_bos
     if task != CLASSIFICATION:
         windows(max_length, max_length, stride)  # option checks, before loading anything
     if batch_size < 1:
@@ -333,7 +331,7 @@ def evaluate(
     model_config = weights / "config.json"
     if model_config.is_file():
         check_fits(max_length, json.loads(model_config.read_text()), "max_length", str(model_config))
-    model = loaded[0] if loaded else load(model_dir, base=base, dtype=dtype, device=device)[0]
+    model = loaded[0] if loaded else load(model_dir, options, device, base)[0]
 
     nll, scored, n_windows = score(
         model, stream.ids, max_length, stride, batch_size, device,
@@ -420,7 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     check_device(device)
     # One load of the model for every site.
-    loaded = load(args.model, base=args.base, task=options.task, dtype=options.dtype, device=device)
+    loaded = load(args.model, options, device, args.base)
     for job in sites:
         scored = EvalJob(
             args.model,

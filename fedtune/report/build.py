@@ -35,27 +35,14 @@ import pandas as pd
 
 from fedtune.core import cli
 from fedtune.core.atomic import write_text
-from fedtune.core.config import CAUSAL_LM, CLASSIFICATION, UserError, data_lines
+from fedtune.core.metrics import LOWER_IS_BETTER, TASK_METRICS, Metrics
+from fedtune.core.options import CAUSAL_LM, UserError
+from fedtune.core.residency import data_lines
 
 BASE = "base"
 AGGREGATE = "aggregate"
 POOLED = "pooled"
 
-
-@dataclass(frozen=True)
-class Metrics:
-    """What a task's report shows: its main and second metric, and which way is better."""
-
-    main: str
-    second: str
-    title: str
-    lower_is_better: bool
-
-
-TASK_METRICS = {
-    CAUSAL_LM: Metrics("perplexity", "bits_per_byte", "Perplexity", lower_is_better=True),
-    CLASSIFICATION: Metrics("accuracy", "macro_f1", "Accuracy", lower_is_better=False),
-}
 
 TRAINING_COLUMNS = [
     "round",
@@ -77,6 +64,11 @@ TRAINING_CAPTION = (
     "Training of each site per round. tokens_per_s: tokens per second of training steps (training.json, "
     "the mean of loss.csv's steps; what `python -m fedtune.report.status` shows); job_tokens_per_s: per "
     "second of the whole job, wall_time_s, whose start-up, loading and export a short job is mostly made of."
+)
+# federation.site_steps tokens (training.json's site_steps): why the sites' steps differ.
+TOKEN_STEPS_CAPTION = (
+    "steps: each site's share of the round's steps (max_steps x sites) by its training tokens "
+    "(federation.site_steps tokens; its manifest's tokens_kept), not the same max_steps at every site."
 )
 
 
@@ -262,10 +254,6 @@ def gap_figure(gap: pd.DataFrame, path: Path) -> None:
     plt.close(fig)
 
 
-# The metrics where lower is better, whose non-finite values mean a diverged model.
-LOWER_IS_BETTER = {name for m in TASK_METRICS.values() if m.lower_is_better for name in (m.main, m.second)}
-
-
 def eval_table(results: Sequence[dict], metric: str) -> pd.DataFrame:
     """Rows (round, model), columns the sites in order of first appearance; base is round 0. A diverged
     model's perplexity (NaN or infinite) is infinity, which the tables print as "diverged"; a missing
@@ -361,12 +349,16 @@ def task_tables(
 
 
 def training_table(entries: Sequence[tuple[int, str, Path]]) -> pd.DataFrame:
-    rows = []
+    """One row per (round, site) from training.json; attrs["site_steps"]: the steps were shared by
+    tokens (federation.site_steps tokens)."""
+    rows, shared = [], False
     for rnd, site, path in entries:
         if not Path(path).is_file():
             _warn(f"{path}: training summary not found; site {site} round {rnd} left out")
             continue
         t = _read_json(path)
+        if t.get("site_steps"):
+            shared = True
         tokens = t.get("tokens_seen", t.get("tokens"))
         wall = t.get("wall_time_s")
         rows.append(
@@ -393,7 +385,9 @@ def training_table(entries: Sequence[tuple[int, str, Path]]) -> pd.DataFrame:
     table = pd.DataFrame(rows, columns=TRAINING_COLUMNS)
     for column in ("round", "steps", "tokens", "world_size"):
         table[column] = pd.to_numeric(table[column]).astype("Int64")
-    return table.sort_values(["round"], kind="stable").reset_index(drop=True)
+    table = table.sort_values(["round"], kind="stable").reset_index(drop=True)
+    table.attrs["site_steps"] = shared
+    return table
 
 
 # A result that was computed and is not finite: a perplexity of NaN or infinity (eval_table stores both as
@@ -710,18 +704,28 @@ def settings_table(settings: dict) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["setting", "value"])
 
 
-def report(
-    out_dir: str | Path,
-    evals: Sequence[str | Path],
-    training: Sequence[tuple[int, str, Path]] = (),
-    losses: Sequence[tuple[int, str, Path]] = (),
-    settings: dict | None = None,
-    tasks: Sequence[str | Path] = (),
-    task_names: Sequence[str] = (),
-    pooled_points: Mapping[str, tuple[float, float]] | None = None,
-) -> dict[str, Path]:
+@dataclass(frozen=True)
+class ReportJob:
+    """What one report reads and where it goes (the CLI's arguments): the report folder, the evaluation
+    results, each site model's training.json and loss.csv as (round, site, path), the run's settings
+    (its config with defaults), the downstream task scores with the tasks to tabulate, and each pooled
+    model's (lr, embedding/head lr factor)."""
 
-    out_dir = Path(out_dir)
+    out_dir: str | Path
+    evals: Sequence[str | Path]
+    training: Sequence[tuple[int, str, Path]] = ()
+    losses: Sequence[tuple[int, str, Path]] = ()
+    settings: dict | None = None
+    tasks: Sequence[str | Path] = ()
+    task_names: Sequence[str] = ()
+    pooled_points: Mapping[str, tuple[float, float]] | None = None
+
+
+def report(job: ReportJob) -> dict[str, Path]:
+    """The report's tables, figures and pages in `job.out_dir`; returns their paths by key."""
+    evals, training, losses, settings = job.evals, job.training, job.losses, job.settings
+    tasks, task_names, pooled_points = job.tasks, job.task_names, job.pooled_points
+    out_dir = Path(job.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     results = load_evals(evals)
     if not results:
@@ -783,11 +787,12 @@ def report(
         "sent_mb": 3,
     }
     write_text(paths["training_csv"], train.to_csv(index=False))
-    write_text(paths["training_md"], f"{TRAINING_CAPTION}\n\n" + markdown(train, digits=training_digits))
+    caption = TRAINING_CAPTION + (f" {TOKEN_STEPS_CAPTION}" if train.attrs.get("site_steps") else "")
+    write_text(paths["training_md"], f"{caption}\n\n" + markdown(train, digits=training_digits))
     paths["training_html"] = out_dir / "training.html"
     write_text(
         paths["training_html"],
-        html_page("Training of each site", [(TRAINING_CAPTION, train, {"digits": training_digits})]),
+        html_page("Training of each site", [(caption, train, {"digits": training_digits})]),
     )
     gap = gap_table(main, metrics, pooled_points)
     if len(gap):
@@ -884,7 +889,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if bool(args.tasks) != bool(args.task_names):
         raise ReportError("--tasks and --task-names go together: the score CSVs and the tasks to tabulate")
     paths = report(
-        args.out, args.eval, training, losses, settings, args.tasks, args.task_names, pooled_points
+        ReportJob(args.out, args.eval, training, losses, settings, args.tasks, args.task_names, pooled_points)
     )
     table = next(path for key, path in paths.items() if key.endswith("_md") and key != "training_md")
     print(Path(table).read_text(encoding="utf-8"), file=sys.stderr)

@@ -42,6 +42,7 @@ import pandas as pd
 
 from fedtune.core import cli
 from fedtune.core.atomic import write_text
+from fedtune.core.metrics import LOWER_IS_BETTER, MAIN_METRICS
 from fedtune.report.build import ReportError, html_page, markdown
 
 NOT_MEASURED = "not measured by the site"
@@ -437,10 +438,10 @@ def _mean_metric(evals: Sequence[dict], model: str, rnd: int | None) -> tuple[st
     chosen = [
         e for e in evals if e.get("model") == model and (rnd is None or int(e.get("round") or 0) == rnd)
     ]
-    for metric in ("perplexity", "accuracy"):
+    for metric in MAIN_METRICS:
         values = [e[metric] for e in chosen if e.get(metric) is not None]
         if values:
-            if metric == "perplexity" and not all(math.isfinite(v) for v in values):
+            if metric in LOWER_IS_BETTER and not all(math.isfinite(v) for v in values):
                 return metric, math.inf  # a diverged site: the report prints "diverged"
             return metric, sum(values) / len(values)
     return None, None
@@ -548,19 +549,27 @@ def read_jobs_part(path: Path, columns) -> pd.DataFrame:
     return part[list(columns)]
 
 
-def cost_report(
-    run: str | Path,
-    out_dir: str | Path,
-    *,
-    settings: dict | None = None,
-    evals: Sequence[str | Path] = (),
-    training: Sequence[tuple[int, str, Path]] = (),
-    crossings: Sequence[CrossingItem] = (),
-    remote_jobs: Sequence[str | Path] = (),
-    sacct_timeout: float = 60,
-) -> dict[str, Path]:
-    run, out_dir = Path(run), Path(out_dir)
-    settings = settings or {}
+@dataclass(frozen=True)
+class CostJob:
+    """What one cost report reads and where it goes (the CLI's arguments): the run folder, the report
+    folder, the run's validated config, the evaluation results, each site model's training.json as
+    (round, site, path), what crosses between clusters, and the other clusters' job tables."""
+
+    run: str | Path
+    out_dir: str | Path
+    settings: dict | None = None
+    evals: Sequence[str | Path] = ()
+    training: Sequence[tuple[int, str, Path]] = ()
+    crossings: Sequence[CrossingItem] = ()
+    remote_jobs: Sequence[str | Path] = ()
+
+
+def cost_report(job: CostJob, sacct_timeout: float = 60) -> dict[str, Path]:
+    """The cost tables and figure in `job.out_dir`, sacct given `sacct_timeout` seconds; returns their
+    paths by file name."""
+    run, out_dir = Path(job.run), Path(job.out_dir)
+    evals, training, crossings, remote_jobs = job.evals, job.training, job.crossings, job.remote_jobs
+    settings = job.settings or {}
     sites = settings.get("sites") or {}
     named = {(site or {}).get("cluster") for site in sites.values()} - {None}
     # A one-cluster run is named by its sites' cluster when they name one (slurm-local), else "local".
@@ -651,7 +660,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_text(Path(args.out), jobs.to_csv(index=False))
         print(f"report: {len(jobs)} commands of {args.jobs_only} -> {args.out}", file=sys.stderr)
         return 0
-    paths = cost_report(
+    job = CostJob(
         args.run,
         args.out,
         settings=_settings(args.settings),
@@ -659,8 +668,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         training=[parse_labelled(item, "--training") for item in args.training],
         crossings=[parse_crossing(item) for item in args.crossing],
         remote_jobs=args.remote_jobs,
-        sacct_timeout=args.sacct_timeout,
     )
+    paths = cost_report(job, args.sacct_timeout)
     print(paths["cost.md"].read_text(encoding="utf-8"), file=sys.stderr)
     return 0
 

@@ -17,11 +17,14 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from fedtune.core.config import RunConfig
-from fedtune.core.scoring import cross_site
+from fedtune.core.clusters import RULE_GROUPS
+from fedtune.run.config import RunConfig
+from fedtune.run.round_jobs import round_trainings
+from fedtune.run.scoring import cross_site
 
-# Rules whose jobs are trainings: their nodes x GPUs x time limit are the run's GPU-hours.
-TRAIN_RULES = ("train", "train_pooled", "train_pooled_sweep", "train_sweep", "train_merging", "train_scoring")
+# Rules whose jobs are trainings (the rule group train of the cluster profiles): their nodes x GPUs x time
+# limit are the run's GPU-hours.
+TRAIN_RULES = RULE_GROUPS["train"]
 # A checkpoint holds fp32 weights and AdamW's two fp32 moments (training loads the model in fp32).
 CHECKPOINT_BYTES_PER_PARAM = 4 + 4 + 4
 ADAM_MOMENT_BYTES_PER_PARAM = 4 + 4  # federation.site_optimizer keep: a site's moments between rounds
@@ -208,12 +211,12 @@ def cpu_partition_line(cluster: str | None, environ: Mapping[str, str]) -> list[
 def config_job_lines(run: RunConfig, cluster: str) -> list[str]:
     """For a cluster this dry run does not plan: its sites' trainings from the config."""
     sites = [site for site in run.sites.values() if site.cluster == cluster]
+    # The trainings each round submits there (fedtune.run.round_jobs, as the workflow counts them).
     trainings = [
-        PlannedJob(
-            "train", r, False, (site.name, r), site.train.gpus_per_node, site.train.nodes, site.train.runtime
-        )
-        for site in sites
+        PlannedJob("train", r, False, (name, r), train.gpus_per_node, train.nodes, train.runtime)
         for r in range(1, run.rounds + 1)
+        for name in round_trainings(run, cluster, r)
+        for train in [run.sites[name].train]
     ]
     lines = [
         f"  its login-node and Slurm jobs: the dry run there (snakemake -n --profile profiles/{cluster}); "

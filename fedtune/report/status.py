@@ -26,9 +26,11 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from fedtune.core import cli, scoring
-from fedtune.core.config import UserError
-from fedtune.core.crossings import Crossing, aggregate_item, crossing_items, transfer_mode
+from fedtune.core import cli
+from fedtune.core.metrics import TASK_METRICS
+from fedtune.core.options import UserError
+from fedtune.run import scoring
+from fedtune.run.crossings import Crossing, aggregate_item, crossing_items, transfer_mode
 from fedtune.train import checkpoint
 
 DEFAULT_CONFIG = "config/config.yaml"
@@ -61,7 +63,7 @@ class RunLayout:
             return self.sites
         return tuple(s for s in self.sites if s in self.participants[round - 1])
 
-    # (round, path) of each round's scores, wherever made (fedtune.core.scoring); empty: `evaluated` x sites.
+    # (round, path) of each round's scores, wherever made (fedtune.run.scoring); empty: `evaluated` x sites.
     round_scores: tuple[tuple[int, str], ...] = ()
 
     @property
@@ -78,7 +80,8 @@ class RunLayout:
 def layout_from_config(path: str | Path, cluster: str | None = None) -> RunLayout:
     """The run folder, rounds and sites of a config, with the schema's defaults applied; `cluster`, where
     given, replaces the config's (as a profile's `config: cluster:` does for Snakemake)."""
-    from fedtune.core.config import build_run_config, read_config_file
+    from fedtune.core.config_files import read_config_file
+    from fedtune.run.config import build_run_config
 
     raw = read_config_file(path)
     if cluster is not None:
@@ -101,7 +104,7 @@ def layout_from_config(path: str | Path, cluster: str | None = None) -> RunLayou
             for name, site in run.sites.items()
             if here in (None, run.aggregate_on) or site.cluster == here
         ),
-        report_table="accuracy.csv" if run.classification else "perplexity.csv",
+        report_table=f"{TASK_METRICS[run.task].main}.csv",
         merged=("aggregate", *run.aggregate.compare),
         intermediate=run.evaluate.intermediate,
         cluster=here,

@@ -1,5 +1,5 @@
 """Scaling sweeps: the table and plot that compare the runs of one site's training, once per value of
-an axis (config `sweep`, fedtune/schemas/sweep.schema.yaml; fedtune.core.config expands it into points).
+an axis (config `sweep`, fedtune/schemas/sweep.schema.yaml; fedtune.run.sweep expands it into points).
 
     python -m fedtune.report.sweep report --out results/<run>/report --axis devices \\
         --run results/<run>/sweep/yelp/devices-1 results/<run>/sweep/yelp/devices-2 ...
@@ -30,8 +30,9 @@ from pathlib import Path
 
 from fedtune.core import cli
 from fedtune.core.atomic import write_bytes, write_text
-from fedtune.core.config import DEVICES_AXIS, UserError
+from fedtune.core.options import UserError
 from fedtune.report.build import markdown
+from fedtune.run.sweep import DEVICES_AXIS
 
 DEVICES = DEVICES_AXIS
 LOSS_COLUMNS = ("epoch", "loss", "tokens_per_s")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedtune.core.config import UserError, check_global_batch
+from fedtune.core.options import UserError, check_global_batch
 
 LABEL_IGNORE = -100
 

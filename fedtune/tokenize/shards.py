@@ -10,7 +10,7 @@ cuts full blocks (the shard's remainder is dropped and counted), `padding` puts 
 truncated or right-padded, with labels -100 on padding. The fast tokenizer's Rust `encode_batch_fast`
 does the work on all the job's threads; no Python loop touches a token.
 
---options is the site's TokenizeOptions (fedtune.core.config): the tokenize section with the site's
+--options is the site's TokenizeOptions (fedtune.tokenize.options): the tokenize section with the site's
 template, text and label columns and the task. With task sequence-classification a shard holds one row
 per document: the templated text with the tokenizer's own special tokens ([CLS] text [SEP] for BERT, as
 Hugging Face's run_glue does), truncated and right-padded to block_size, its length, and its class from
@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,13 +29,7 @@ import numpy as np
 from fedtune.core import cli, offline
 from fedtune.core.atomic import atomic_dir, write_json
 from fedtune.core.checksums import sha256_file
-from fedtune.core.config import (
-    CAUSAL_LM,
-    CLASSIFICATION,
-    UserError,
-    check_fits,
-    label_problem,
-)
+from fedtune.core.options import CAUSAL_LM, CLASSIFICATION, UserError, check_fits, label_problem
 from fedtune.tokenize.options import TokenizeOptions
 
 COUNTS = "counts.json"
@@ -176,21 +171,31 @@ def blocks_dataset(
     )
 
 
-def tokenize_shard(
-    raw: str | Path,
-    split: str,
-    shard: int,
-    tokenizer_dir: str | Path,
-    out: str | Path,
-    options: TokenizeOptions,
-    *,
-    site: str | None = None,
-) -> dict:
+@dataclass(frozen=True)
+class ShardJob:
+    """One shard's files (the CLI's paths), apart from the options: the downloaded data set `raw`, the
+    split and the shard's index in it, the tokenizer's folder, the output folder, and the site (recorded
+    in counts.json)."""
+
+    raw: str | Path
+    split: str
+    shard: int
+    tokenizer_dir: str | Path
+    out: str | Path
+    site: str | None = None
+
+
+def tokenize_shard(job: ShardJob, options: TokenizeOptions) -> dict:
+    """Tokenize shard `job.shard` of `job.raw`'s split into `job.out` as `options` say; returns its
+    counts.json."""
     from datasets import load_from_disk
 
     from fedtune.core.models import load_tokenizer
     from fedtune.core.progress import Progress
 
+    raw, split, shard, tokenizer_dir, out, site = (
+        job.raw, job.split, job.shard, job.tokenizer_dir, job.out, job.site
+    )  # fmt: skip
     num_shards, template, text_field = options.shards, options.template, options.text_field
     block_size, mode = options.block_size, options.mode
     if not 0 <= shard < num_shards:
@@ -214,7 +219,7 @@ def tokenize_shard(
             f"--options: text_field: {text_field!r} is not a column of {raw} ({data.column_names})"
         )
     if options.task == CLASSIFICATION:
-        return _tokenize_classification_shard(data, raw, split, shard, tokenizer_dir, out, options, site=site)
+        return _tokenize_classification_shard(data, job, options)
     tokenizer = load_tokenizer(tokenizer_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
@@ -256,9 +261,13 @@ def _save_shard(out, dataset, counts: dict) -> dict:
     return counts
 
 
-def _tokenize_classification_shard(data, raw, split, shard, tokenizer_dir, out, options, *, site) -> dict:
+def _tokenize_classification_shard(data, job: ShardJob, options: TokenizeOptions) -> dict:
     from fedtune.core.models import load_tokenizer
     from fedtune.core.progress import Progress
+
+    raw, split, shard, tokenizer_dir, out, site = (
+        job.raw, job.split, job.shard, job.tokenizer_dir, job.out, job.site
+    )  # fmt: skip
 
     num_shards, template, text_field, label_field = (
         options.shards, options.template, options.text_field, options.label_field
@@ -395,7 +404,8 @@ def main(argv=None) -> int:
         os.environ["RAYON_NUM_THREADS"] = str(args.num_proc)
     if args.what == "shard":
         options = TokenizeOptions.from_json(args.options)
-        tokenize_shard(args.raw, args.split, args.shard, args.tokenizer, args.out, options, site=args.site)
+        job = ShardJob(args.raw, args.split, args.shard, args.tokenizer, args.out, site=args.site)
+        tokenize_shard(job, options)
     else:
         write_manifest(args.shards, args.out)
     return 0

@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from fedtune.core.config import ConfigError, deep_merge, torch_dtype
+from fedtune.core.options import ConfigError, deep_merge, torch_dtype
 from fedtune.tokenize.blocks import trained_tokens
 from fedtune.train import speed
 from fedtune.train.distributed import Job
@@ -408,7 +408,17 @@ def deepspeed_config(options: TrainOptions, accumulation: int, device: torch.dev
                 "weight_decay": options.weight_decay,
             },
         }
-    return deep_merge(config, options.deepspeed_extra)
+    merged = deep_merge(config, options.deepspeed_extra)
+    # DeepSpeed's ZeRO optimizers skip a step whose gradient norm is NaN or infinite only with these on
+    # (their default): fedtune never steps on such a gradient (issue 47), so it keeps them.
+    for section, key in (("zero_optimization", "compute_grad_norm"), ("bf16", "check_grad_overflow")):
+        block = merged.get(section)
+        if isinstance(block, dict) and block.get(key, True) is False:
+            raise ConfigError(
+                f"deepspeed_extra: {section}.{key}: false would let DeepSpeed step on a NaN or infinite "
+                "gradient, which fedtune never does; leave the key out"
+            )
+    return merged
 
 
 class DeepSpeedBackend:
@@ -435,6 +445,11 @@ class DeepSpeedBackend:
             config=self.config,
         )
         self.proximal = Proximal(options.fedprox_mu, self._local_tensors) if options.fedprox_mu else None
+        # DeepSpeed's own optimizers (ZeRO-1/2/3, and ZeRO-0's fp16/bf16 wrapper) compute the global
+        # gradient norm in their step, before any update, and skip the step when it is NaN or infinite
+        # (reported as inf; tests/test_deepspeed_nan.py holds DeepSpeed to it). ZeRO-0 in fp32 hands the
+        # gradients to torch's AdamW as they are and computes no norm: the backend computes it then.
+        self.own_norm = not hasattr(self.engine.optimizer, "_global_grad_norm")
 
     def _local_tensors(self, grads: bool):
         """ZeRO-3's partitions of each parameter on this rank (TrainOptions allows FedProx on stage 3 only)."""
@@ -457,13 +472,34 @@ class DeepSpeedBackend:
             self.engine.step()
         return loss.detach().float()
 
+    def _grad_norm(self) -> float:
+        """The gradient norm of ZeRO-0 (fp32): its gradients are whole on every rank, all-reduced by the
+        engine's backward at the accumulation boundary, so each rank computes the same global norm (as
+        DDP's replicas do), without a collective. Before DeepSpeed's own clipping, which reads it again."""
+        grads = [
+            p.grad
+            for g in self.engine.basic_optimizer.param_groups
+            for p in g["params"]
+            if p.grad is not None
+        ]
+        return float(torch.nn.utils.get_total_norm(grads, foreach=True)) if grads else 0.0
+
     def step(self, lr: float) -> float | None:
         set_lr(self.engine.basic_optimizer.param_groups, lr)
         if self.proximal:
             self.proximal.apply()
+        if self.own_norm:
+            norm = self._grad_norm()
+            if not math.isfinite(norm):
+                # Not stepped on (issue 47): the loop stops on this norm, as on FSDP's. The engine's
+                # gradients are left as they are; the training ends here.
+                return norm
+            self.engine.step()
+            return norm
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
-        # None: the engine computes no norm (ZeRO-0); the loop logs NaN for it and checks nothing.
+        # A step that DeepSpeed skipped for a NaN or infinite norm reports inf. None: a configuration that
+        # computes no norm (deepspeed_config refuses deepspeed_extra that turns DeepSpeed's check off).
         return None if norm is None else float(norm)
 
     def save(self, folder: Path) -> None:

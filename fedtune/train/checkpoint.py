@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from fedtune.core.atomic import write_json
-from fedtune.core.config import UserError
+from fedtune.core.options import UserError
 from fedtune.train import distributed
 
 NAME = re.compile(r"^step-(\d{8})$")

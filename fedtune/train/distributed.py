@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from fedtune.core.accelerators import UnsupportedDeviceError, check_device, check_driver
-from fedtune.core.config import UserError
+from fedtune.core.options import UserError
 
 
 class LaunchError(UserError, RuntimeError):

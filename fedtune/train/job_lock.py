@@ -23,7 +23,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from fedtune.core.config import UserError
+from fedtune.core.options import UserError
 
 NAME = "train.lock"
 # squeue's states of a job that runs, or will run again (its training would start in the folder).

@@ -37,15 +37,16 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fedtune.core import adapters, cli, token_counts, tracking
 from fedtune.core.atomic import atomic_dir, write_json, write_text
 from fedtune.core.checksums import SOURCE_RECORD
-from fedtune.core.config import CAUSAL_LM, CLASSIFICATION, ConfigError, TrackingOptions, UserError
 from fedtune.core.models import load_model, load_tokenizer, save_model
+from fedtune.core.options import CAUSAL_LM, CLASSIFICATION, ConfigError, UserError
+from fedtune.core.tracking_options import TrackingOptions
 from fedtune.tokenize.blocks import BlockOrder, Blocks, manifest_shards, trained_tokens
 from fedtune.tokenize.shards import verify_shard
 from fedtune.train import checkpoint, distributed, export_record, job_lock, loading
@@ -158,6 +159,8 @@ class TrainJob:
     optimizer_out: Path | None = None
     tracking: dict | None = None  # the config's tracking section, checked (None: not tracked)
     run: str | None = None
+    # federation.site_steps tokens: every site's training tokens and steps a round (token_steps).
+    site_steps: dict | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> TrainJob:
@@ -357,8 +360,8 @@ def train_step(run: Setup, step: int, lr: float, stop: StopRequest) -> tuple[flo
     loss /= step_tokens
     if not math.isfinite(loss):
         check_finite(step - run.first_step + 1, lr, loss)
-    # Every rank holds the same norm (FSDP's full tensor, DDP's replicas, DeepSpeed's global norm); a
-    # non-finite one was not stepped on (the backend skips it). DeepSpeed ZeRO-0 reports none.
+    # Every rank holds the same norm (FSDP's full tensor, DDP's and DeepSpeed ZeRO-0's replicas, DeepSpeed's
+    # global norm); a non-finite one was not stepped on (the backend, or DeepSpeed's optimizer, skips it).
     reported = backend.step(lr)
     norm = math.nan if reported is None else float(reported)
     if reported is not None and run.options.precision != "fp16":
@@ -393,10 +396,8 @@ def train(
     resume(run, progress)
     tracker = tracking.Tracker()
     if job.is_main and args.tracking:
-        tracker = tracking.start(
-            args.tracking, run=args.run or "fedtune", round=plan.round, site=args.site, job_type="train",
-            config=options.to_dict(), run_dir=None,
-        )  # fmt: skip
+        where = tracking.TrackedRun(args.run or "fedtune", plan.round, args.site)
+        tracker = tracking.start(args.tracking, where, "train", options.to_dict())
 
     while progress.step < total:
         t0 = time.perf_counter()
@@ -508,6 +509,8 @@ def summary(run: Setup, progress: TrainingProgress, started: float) -> dict:
         "base": base_identity(args.init),
         "manifests": [str(m) for m in args.manifest],
         "optimizer_state": "kept" if args.optimizer_in else "new",
+        # federation.site_steps tokens: how this job's steps were shared out (absent: the options' own).
+        **({"site_steps": args.site_steps} if args.site_steps else {}),
         "options": options.to_dict(),
     }
 
@@ -576,6 +579,11 @@ def parse_args(argv=None):
     parser.add_argument("--round", type=int, default=1, help="federation round of this job (1-based)")
     parser.add_argument("--optimizer-in", type=Path, help="optimizer state of the site's previous round")
     parser.add_argument("--optimizer-out", type=Path, help="where to save the optimizer state at the end")
+    parser.add_argument(
+        "--token-steps", nargs="+", metavar="SITE=MANIFEST", default=[],
+        help="federation.site_steps tokens: every site's manifest; this site trains its share of the "
+        "options' max_steps x sites by the sites' training tokens (splits.train.tokens_kept)",
+    )  # fmt: skip
     cli.add_tracking(parser)
     # What this job is for, not how it trains: the sweep's jobs record training.json and no weights.
     parser.add_argument(
@@ -589,6 +597,46 @@ def parse_args(argv=None):
 def is_rank0() -> bool:
     """Rank 0 of the job, before the process group exists (from the launcher's RANK)."""
     return os.environ.get("RANK", "0") == "0"
+
+
+def token_steps(site: str, manifests: list[str], options: TrainOptions) -> tuple[TrainOptions, dict | None]:
+    """federation.site_steps tokens (--token-steps SITE=MANIFEST ...): this site's options with its
+    steps a round, its share of max_steps x sites by the sites' training tokens (the same shares as
+    fedtune.run.config.RunConfig.token_steps), and the shares for training.json. Every site's job reads
+    the same manifests, so the shares add up to the round's steps of equal steps."""
+    if not manifests:
+        return options, None
+    from fedtune.core.participation import site_step_counts
+
+    tokens = {}
+    for pair in manifests:
+        name, sep, path = pair.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(f"--token-steps: {pair!r} is not SITE=MANIFEST")
+        tokens[name] = manifest_train_tokens(name, Path(path))
+    if site not in tokens:
+        raise ConfigError(f"--token-steps: no manifest of site {site} among {', '.join(tokens)}")
+    if options.max_steps is None:
+        raise ConfigError("--token-steps needs the options' max_steps (the steps a round of equal steps)")
+    steps = site_step_counts(options.max_steps, tokens)
+    return replace(options, max_steps=steps[site]), {"by": "tokens", "tokens": tokens, "steps": steps}
+
+
+def manifest_train_tokens(site: str, path: Path) -> int:
+    """A site's training tokens: splits.train.tokens_kept of its manifest (what aggregate.weights tokens
+    weighs it by)."""
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        tokens = manifest["splits"]["train"]["tokens_kept"]
+    except FileNotFoundError:
+        raise ConfigError(f"--token-steps: site {site}: manifest not found: {path}") from None
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise ConfigError(f"--token-steps: site {site}: {path} has no splits.train.tokens_kept") from None
+    if manifest.get("site", site) != site:
+        raise ConfigError(f"--token-steps: {path} is site {manifest['site']!r}'s manifest, not {site}'s")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise ConfigError(f"--token-steps: site {site}: {path}: splits.train.tokens_kept is {tokens!r}")
+    return tokens
 
 
 def train_or_restore(job: TrainJob, options: TrainOptions, plan: RoundPlan) -> int:
@@ -626,7 +674,8 @@ def main(argv=None) -> int:
     if not 1 <= args.round <= options.rounds:
         raise ConfigError(f"--round: {args.round} is not in 1..{options.rounds} (the options' rounds)")
     plan = RoundPlan(args.round, options.rounds, options.lr_schedule)
-    job = TrainJob.from_args(args)
+    options, shares = token_steps(args.site, args.token_steps, options)
+    job = replace(TrainJob.from_args(args), site_steps=shares)
     # Rank 0 holds the folder while this job trains or restores (fedtune.train.job_lock): a second job
     # of the same training (a restarted controller's, while the first still runs) stops here, naming it.
     lock = job_lock.JobLock(job.checkpoints, what=str(job.out)) if is_rank0() else None

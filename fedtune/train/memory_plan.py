@@ -47,7 +47,7 @@ import sys
 from dataclasses import dataclass, replace
 
 from fedtune.core import cli
-from fedtune.core.config import UserError
+from fedtune.core.options import UserError
 
 GiB = 2**30
 # CUDA context (~0.5-1 GB), cuBLAS/NCCL workspaces and the caching allocator's fragmentation: a fixed

@@ -15,6 +15,7 @@ from fedtune.core.options import (
     ConfigError,
     _Options,
     check_global_batch,
+    deep_merge,
     parse_json,
 )
 
@@ -278,3 +279,27 @@ class TrainOptions(_Options):
         """`--exclusive` for a GPU job over several nodes: NCCL's traffic between nodes shares no node (and
         none of its network cards) with another job, as the sites ask of such jobs. One node: None."""
         return "--exclusive" if self.nodes > 1 and self.gpus_per_node else None
+
+
+def site_train_options(config: Mapping, site: str, *, source: str = "config") -> TrainOptions:
+    """The train section with the site's overrides merged over it, checked."""
+    merged = deep_merge(config.get("train", {}), config["sites"][site].get("train", {}))
+    return TrainOptions.from_mapping(merged, source=source, prefix=f"sites.{site}.train")
+
+
+def train_run_keys(config: Mapping, *, federated: bool) -> dict:
+    """What a train job reads of the run beyond its train section (TrainOptions.RUN_KEYS), from a
+    validated config: the model's dtype and pickle switch; for a round of the federation its rounds, its
+    learning-rate schedule and whether the aggregate reads token counts; one training of its own (the
+    pooled baseline, a sweep point) is one round that writes them, as before these were options."""
+    keys = {"dtype": config["model"]["dtype"], "allow_pickle": config["model"]["allow_pickle"]}
+    if not federated:
+        return {**keys, "rounds": 1, "lr_schedule": "continue", "token_counts": True}
+    federation = config["federation"]
+    return {
+        **keys,
+        "rounds": federation["rounds"],
+        "lr_schedule": federation["lr_schedule"],
+        # Nothing reads the counts under vocab_rows weights: the site's token histogram stays home.
+        "token_counts": config["aggregate"]["vocab_rows"] == "counts",
+    }

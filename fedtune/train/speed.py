@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from fedtune.core.config import ConfigError
+from fedtune.core.options import ConfigError
 
 
 def decoder_layer_classes(model) -> set[str]:

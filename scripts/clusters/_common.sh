@@ -1,5 +1,6 @@
 # Shared by the GPU clusters' files, sourced after they set FEDTUNE_SCRATCH (and their NCCL settings).
-# Each setting keeps a value already exported.
+# Each setting keeps a value already exported. A cluster file that sources this is a GPU site: the list of
+# sites is read from that line (fedtune/core/clusters.py: site_clusters; scripts/setup-env).
 
 # Modules (FEDTUNE_MODULES, space separated; each cluster's file names the ones known to load there as a
 # commented default). Empty with a venv or container that brings its own CUDA/NCCL (the PyTorch wheels do).

@@ -1,5 +1,6 @@
 # The local test cluster (scripts/slurm-local): nodes n1 and n2 are the same machine, no GPU.
-# Sourced by `scripts/launch --cluster slurm-local` in every training task.
+# Sourced by `scripts/launch --cluster slurm-local` in every training task. It sources no _common.sh: no
+# GPU site (fedtune/core/clusters.py: site_clusters), so the default torch build.
 
 # Both "nodes" are this host: gloo talks over the loopback interface.
 export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}

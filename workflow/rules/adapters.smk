@@ -92,6 +92,7 @@ if MERGES_IN_TRAINING:
             manifest=lambda wc: manifest_path(wc.site),
             shards=lambda wc: shard_dirs(wc.site, "train"),
             optimizer=previous_optimizer,
+            token_manifests=token_step_manifests,
             # evaluate.cross_site none: the scores it makes before training (score_before_training).
             test=lambda wc: raw_data_dir(wc.site) if SCORED_BEFORE else [],
             previous=scored_previous_model,

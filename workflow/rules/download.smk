@@ -25,7 +25,7 @@ rule download_data:
     params:
         options=lambda wc: RUN.sites[wc.site].dataset.download_json(),
         # One param for both flags: a one-cluster run's shell and params stay as they were (no rerun).
-        labels=download_flags,
+        labels=lambda wc: commands.download_flags(RUN, LAYOUT, wc.site),
     shell:
         "python -m fedtune.download data --options {params.options:q} {params.labels}"
         " --out {output:q} > {log:q} 2>&1"
@@ -53,7 +53,7 @@ rule download_model:
     params:
         # Functions, not strings: the templates' {text} must not be read as a wildcard.
         options=lambda wc: RUN.model.to_json(),
-        corpora=lambda wc: to_json(tokenizer_corpora()),
+        corpora=lambda wc: to_json(commands.tokenizer_corpora(RUN, LAYOUT)),
         task=TASK,
     shell:
         "python -m fedtune.download model --options {params.options:q} --corpora {params.corpora:q}"
@@ -73,6 +73,7 @@ rule download_tasks:
         CONTAINER
     params:
         tasks=[task.entry for task in DOWNSTREAM],
-        sources=downstream_sources,
+        # sha256 of the task YAMLs and their data files: an edit reruns the download and the scores.
+        sources=lambda wc: commands.downstream_sources(RUN),
     shell:
         "python -m fedtune.download tasks --tasks {params.tasks:q} --out {output:q} > {log:q} 2>&1"

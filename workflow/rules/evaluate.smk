@@ -2,7 +2,7 @@
 # job per model (loaded once for every site); with evaluate.tasks, lm-eval's downstream tasks on the base
 # model and the last round's models. A round's evaluations run in the round's merge job (group round-<r>).
 # With evaluate.cross_site none (sites on several clusters, by default) each cluster scores the models it
-# holds on its own sites' text only (fedtune.core.scoring): a site's model on its own text, the base model
+# holds on its own sites' text only (fedtune.run.scoring): a site's model on its own text, the base model
 # and the merged models on every site here; the scores made elsewhere arrive (fetch_score) as files.
 import re
 
@@ -23,10 +23,18 @@ OWN_MODELS_HERE = (
     else [site for site in SITES if scored_here(site) and trains_here(site)]
 )
 
-EVAL_SHELL = (
-    "python -m fedtune.evaluate --model {input.model:q} {params.base} --split test"
-    " --options {params.options:q} --sites {params.sites:q}"
-    " --label {params.label} --round {params.round} {params.tracking} > {log:q} 2>&1"
+# The evaluation command with the rules' params (fedtune.workflow.commands.evaluate_command).
+EVAL_SHELL = commands.EVAL_SHELL
+DOWNSTREAM_MODELS = [*SITES, "aggregate"]
+
+
+sites_scored_here = functools.partial(layout.sites_scored_here, RUN)
+# Host memory from the model's size (fedtune.workflow.resources).
+evaluation_mem_mb = lambda wc: resources.evaluation_mem_mb(RUN, base_model_dir())
+# The base an evaluated adapter sits on (layout.adapter_base), and the flag that gives it.
+adapter_base = lambda wc: LAYOUT.adapter_base(wc.get("model"), wc.get("round"))
+base_arg = lambda wc, input: (
+    f"--base {shlex.quote(input.base[0])}" if input.get("base") else ""
 )
 
 
@@ -51,11 +59,11 @@ if sites_scored_here("base"):
             CONTAINER
         threads: 2
         resources:
-            # From the model's size (common.smk).
+            # From the model's size (evaluation_mem_mb, above).
             mem_mb=evaluation_mem_mb,
             runtime=60,
         params:
-            sites=eval_sites,
+            sites=lambda wc, output: commands.eval_sites(RUN, LAYOUT, output),
             options=EVAL_OPTIONS.perplexity_json(),
             label="base",
             round=0,

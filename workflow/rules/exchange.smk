@@ -5,13 +5,38 @@
 # merge rebuilds each tensor against the start model (aggregate.smk); where a remote site's model itself
 # is needed (its evaluation), decode_site_model rebuilds it from the update that arrived. The aggregate
 # goes back as an update too (compress_aggregate, decode_aggregate, below).
+
+
+# With a compressed dtype the sites send their updates, and the merge reads them; with error feedback each
+# compression keeps a residual for its next round.
+EXCHANGE = RUN.exchange
+COMPRESSED = EXCHANGE.compressed
+RESIDUAL_OUTPUT = (
+    {"residual_out": directory(site_residual_dir("{round}", "{site}"))}
+    if EXCHANGE.keeps_residual
+    else {}
+)
+AGGREGATE_RESIDUAL_OUTPUT = (
+    {"residual_out": directory(aggregate_residual_dir("{round}"))}
+    if EXCHANGE.keeps_residual
+    else {}
+)
+
+
+# Several fp32 copies of the largest tensor (fedtune.workflow.resources).
+exchange_mem_mb = lambda wc: resources.exchange_mem_mb(RUN, base_model_dir())
+residual_args = lambda wc, input, output: commands.residual_args(
+    RUN, output.get("residual_out"), input.residual
+)
+
+
 if COMPRESSED:
 
     rule compress_update:
         input:
             model=site_model_dir("{round}", "{site}"),
             start=lambda wc: init_model_dir(wc.round),
-            residual=previous_residual,
+            residual=lambda wc: previous_residual(wc.round, wc.site),
         output:
             **RESIDUAL_OUTPUT,
             site_update=directory(site_update_dir("{round}", "{site}")),
@@ -74,7 +99,7 @@ if COMPRESSED:
             input:
                 model=lambda wc: merge_output_dir(wc.round),
                 start=lambda wc: init_model_dir(wc.round),
-                residual=previous_aggregate_residual,
+                residual=lambda wc: previous_residual(wc.round),
             output:
                 **AGGREGATE_RESIDUAL_OUTPUT,
                 aggregate_update=directory(aggregate_update_dir("{round}")),

@@ -13,10 +13,11 @@ LOSS_CURVES = [
     for r in ROUNDS
     for site in round_sites(r)
 ]
-# The main table and its companion: perplexity and bits per byte, or accuracy and macro-F1.
-REPORT_SECOND = "macro_f1" if CLASSIFICATION else "bits_per_byte"
-REPORT_TITLE = "Accuracy" if CLASSIFICATION else "Perplexity"
-HEATMAP_CAPTION = "heatmap_accuracy.rst" if CLASSIFICATION else "heatmap.rst"
+# The main table and its companion (fedtune.core.metrics): perplexity and bits per byte, or accuracy and
+# macro-F1.
+REPORT_SECOND = TASK_METRICS[TASK].second
+REPORT_TITLE = TASK_METRICS[TASK].title
+HEATMAP_CAPTION = TASK_METRICS[TASK].heatmap_caption
 # With the pooled baseline: the federation gap, merged model against pooled model, per round and site.
 GAP_OUTPUTS = (
     {
@@ -145,8 +146,8 @@ rule report:
         out=lambda wc, output: os.path.dirname(output.main),
         training=TRAINING_SUMMARIES,
         losses=LOSS_CURVES,
-        tasks=task_args(),
-        pooled=pooled_point_args(),
+        tasks=commands.task_args(RUN, LAYOUT),
+        pooled=commands.pooled_point_args(RUN),
     shell:
         "python -m fedtune.report --out {params.out:q} --eval {input.evals:q}"
         " --training {params.training:q} --loss {params.losses:q} {params.tasks} {params.pooled}"

@@ -16,6 +16,7 @@ rule train:
         manifest=lambda wc: manifest_path(wc.site),
         shards=lambda wc: shard_dirs(wc.site, "train"),
         optimizer=previous_optimizer,
+        token_manifests=token_step_manifests,
     output:
         **OPTIMIZER_OUTPUT,
         model=directory(site_model_dir("{round}", "{site}")),
@@ -62,7 +63,7 @@ rule train:
         # What the job runs before training, each command ending in `&&`: train_merging's merge,
         # train_scoring's scores (one param, so that the shell of every other training stays as it was).
         merge="",
-        round_args=round_args,
+        round_args=lambda wc: round_args(wc) + token_steps_args(wc),
         summary_only="",
         tracking=lambda wc: tracking_args(),
     shell:
@@ -86,6 +87,7 @@ if SCORED_BEFORE and not MERGES_IN_TRAINING:
             manifest=lambda wc: manifest_path(wc.site),
             shards=lambda wc: shard_dirs(wc.site, "train"),
             optimizer=previous_optimizer,
+            token_manifests=token_step_manifests,
             test=lambda wc: raw_data_dir(wc.site),
             previous=scored_previous_model,
         output:

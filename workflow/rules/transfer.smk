@@ -7,8 +7,20 @@ TRANSFER = "python -m fedtune.core.transfer"
 
 
 # A fetched or received whole model of round 2 on must say it was made from the round's start model here
-# (fedtune.core.crossings.checks_start): a stale copy is waited for, never taken.
-from fedtune.core.crossings import checks_start
+# (fedtune.run.crossings.checks_start): a stale copy is waited for, never taken.
+from fedtune.run.crossings import aggregate_item, checks_start, site_item
+
+# The aggregate that crosses (its adapter, compressed update or model), and what of a site's round crosses.
+AGGREGATE_ITEM, SITE_ITEM = aggregate_item(RUN), site_item(RUN)
+
+
+# The paths an item may have (a wildcard constraint), and the clusters this one pushes to (fedtune.workflow).
+CROSSING_ITEM = layout.CROSSING_ITEM
+PUSH_TO = commands.push_to(RUN)
+
+
+# The transfer CLI's command and options that bring an item (made elsewhere) to its target here.
+receive_args = functools.partial(commands.receive_args, RUN)
 
 
 rule fetch_manifest:
@@ -222,6 +234,6 @@ rule push:
         CONTAINER
     threads: 0
     params:
-        args=push_args,
+        args=lambda wc: commands.push_args(RUN, LAYOUT, wc.item, wc.cluster),
     shell:
         f"{TRANSFER} push {{params.args}} --receipt {{output:q}} 2>&1 | tee {{log:q}}"

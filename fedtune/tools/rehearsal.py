@@ -2,19 +2,23 @@
 run folder and a Snakemake controller each, as on Leonardo and Karolina. `leo` trains it, aggregates and
 reaches `karo` (site cs) over real SSH (a local sshd on a free port, with keys made for the rehearsal);
 karo logs in nowhere and receives each aggregate by push, as config/examples/llama2-it-cs.yaml sets up.
+leo's two keys are confined as docs/transfers.md tells karo's admin to (scripts/fedtune-rsync-gate): the
+pull key read-only on karo's exchange/outbox, the push key (federation.remotes.karo.push_path)
+write-only on its exchange/inbox.
 (Named leo and karo: scripts/clusters/leonardo.sh and karolina.sh need the real clusters' scratch.)
 
     scripts/rehearse                       # 3 rounds of 3 steps, about 5 minutes on 2 cores
     scripts/rehearse --dry-run             # the two controllers' plans only (no sshd needed)
 
-tests/test_multicluster.py runs the same set-up and checks its result against a one-cluster run."""
+tests/test_multicluster.py runs the same set-up and checks its result against a one-cluster run. It runs
+from a checkout of the repository (the demo's config, the Snakefile, profiles/local), as
+`python -m fedtune.tools.rehearsal` or scripts/rehearse."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -22,7 +26,10 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+from fedtune.core import cli
+from fedtune.tools.local_sshd import authorized_key_lines, find_sshd, start_sshd, stop_sshd
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository: fedtune/tools/rehearsal.py
 DEMO = ROOT / "config" / "config.yaml"
 RUN = "rehearsal"
 CLUSTERS = {"leo": "it", "karo": "cs"}  # cluster -> its site; leo aggregates
@@ -45,8 +52,9 @@ def lean_demo(rounds: int, steps: int) -> dict:
     return config
 
 
-def write_clusters(out: Path, config: dict, host: str) -> dict[str, Path]:
-    """One working directory per cluster, each with the same config but its own `cluster`."""
+def write_clusters(out: Path, config: dict, host: str, push_host: str) -> dict[str, Path]:
+    """One working directory per cluster, each with the same config but its own `cluster`: leo reaches
+    karo's run folder through `host` to pull and `push_host` to push (a Host alias each, one key each)."""
     folders = {}
     karo_run = (out / "karo" / "results" / RUN).resolve()
     for cluster in CLUSTERS:
@@ -56,7 +64,8 @@ def write_clusters(out: Path, config: dict, host: str) -> dict[str, Path]:
         mine["sites"] = {name: {**site, "cluster": c} for c, name in CLUSTERS.items()
                          for site in [config["sites"][name]]}  # fmt: skip
         mine["federation"] = {**config["federation"], "aggregate_on": "leo", "wait": "30m",
-                              "remotes": {"karo": {"path": f"{host}:{karo_run}", "transfer": "push"}}}  # fmt: skip
+                              "remotes": {"karo": {"path": f"{host}:{karo_run}", "transfer": "push",
+                                                   "push_path": f"{push_host}:{karo_run}"}}}  # fmt: skip
         (workdir / "config.yaml").write_text(yaml.safe_dump(mine, sort_keys=False))
         folders[cluster] = workdir
     return folders
@@ -80,10 +89,6 @@ NO_SSHD = (
     "  sudo systemctl disable --now ssh    # where systemd runs: no system-wide sshd (the rehearsal needs none)\n"
     "`scripts/rehearse --dry-run` needs no sshd."
 )
-
-
-def find_sshd() -> str | None:
-    return shutil.which("sshd") or next((p for p in ("/usr/sbin/sshd",) if Path(p).is_file()), None)
 
 
 STEPS_DONE = re.compile(r"^(\d+) of (\d+) steps \((\d+%)\) done", re.M)
@@ -119,6 +124,7 @@ def wait_showing_progress(processes: dict, logs: dict[str, Path], every: float =
         time.sleep(every)
 
 
+@cli.entry("fedtune.tools.rehearsal")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scripts/rehearse", description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -132,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     config = lean_demo(args.rounds, args.steps)
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
     if args.dry_run:
-        folders = write_clusters(out, config, "127.0.0.1")
+        folders = write_clusters(out, config, "127.0.0.1", "fedtune-push")
         for cluster, workdir in folders.items():
             print(f"== {cluster} ({workdir})", flush=True)
             result = subprocess.run(controller(workdir, "-n", "--quiet", "rules"), env=env, cwd=workdir)
@@ -140,17 +146,19 @@ def main(argv: list[str] | None = None) -> int:
                 return result.returncode
         return 0
 
-    if find_sshd() is None:
+    sshd = find_sshd()
+    if sshd is None:
         print(NO_SSHD, file=sys.stderr)
         return 2
-    from tests.ssh_harness import start_sshd, stop_sshd
-
     try:
-        server = start_sshd(out / "sshd")
-    except BaseException as error:  # pytest.skip's exception where no sshd can be had
+        server = start_sshd(out / "sshd", sshd)
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as error:
         raise SystemExit(f"rehearse: no local sshd: {error}") from None
     try:
-        folders = write_clusters(out, config, server.host)
+        folders = write_clusters(out, config, server.host, server.push_host)
+        # leo's keys, confined as docs/transfers.md tells karo's admin to.
+        exchange = (out / "karo" / "results" / RUN / "exchange").resolve()
+        (server.folder / "authorized_keys").write_text(authorized_key_lines(server, exchange))
         env["RSYNC_RSH"] = server.rsync_rsh
         processes = {}
         for cluster, workdir in folders.items():

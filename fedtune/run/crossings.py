@@ -2,15 +2,15 @@
 manifest and round models go to `federation.aggregate_on`, each round's aggregate (its adapter with
 train.adapter, its update against the previous aggregate with federation.exchange compressed) to the
 other clusters for their next round, and with evaluate.cross_site none the last round's too and each score
-made on another cluster (fedtune.core.scoring) back to the aggregating cluster. The workflow's transfer
+made on another cluster (fedtune.run.scoring) back to the aggregating cluster. The workflow's transfer
 rules (common.smk) and `fedtune.report.status` read the same list."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fedtune.core import scoring
-from fedtune.core.config import RunConfig
+from fedtune.run import scoring
+from fedtune.run.config import RunConfig
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Which model is scored on which site's test text, and on which cluster (evaluate.cross_site): the
-workflow's evaluation rules, what crosses between clusters (fedtune.core.crossings) and the report's
+workflow's evaluation rules, what crosses between clusters (fedtune.run.crossings) and the report's
 inputs read this one list.
 
 With cross_site text_to_models every model is scored on every site's text where the models meet. With
@@ -16,7 +16,8 @@ fetched into its usual place (`score_path`) where the models meet."""
 
 from __future__ import annotations
 
-from fedtune.core.config import TEXT_TO_MODELS, RunConfig
+from fedtune.core.residency import TEXT_TO_MODELS
+from fedtune.run.config import RunConfig
 
 BASE = "base"
 AGGREGATE = "aggregate"

@@ -9,7 +9,8 @@ tokenizer of the same kind (written with save_pretrained, as a hub snapshot is),
 local dataset folders with the same configs, splits and columns (`datasets.load_dataset(folder, config)`
 reads them as it reads the hub), and every site trains here on CPU with the example's backend, sharding,
 ZeRO stage and offload flags. Each change is listed, with its reason, in a comment at the top of the twin.
-Everything is seeded: the same example gives the same assets and the same twin."""
+Everything is seeded: the same example gives the same assets and the same twin. It runs from a checkout
+of the repository (the example configs name its files), as `python -m fedtune.tools.twin` or scripts/twin."""
 
 from __future__ import annotations
 
@@ -27,17 +28,13 @@ from pathlib import Path
 
 import yaml
 
+from fedtune.core import cli
 from fedtune.core.atomic import atomic_dir, write_text
-from fedtune.core.config import (
-    ConfigError,
-    check_config,
-    deep_merge,
-    load_config,
-    torch_dtype,
-    validate_section,
-)
+from fedtune.core.options import ConfigError, deep_merge, torch_dtype, validate_section
+from fedtune.run.config import check_config, load_config
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository: example configs name files from there
+# The repository (this file is fedtune/tools/twin.py): example configs name files from there.
+ROOT = Path(__file__).resolve().parents[2]
 
 # Sizes of every twin: blocks of 64 tokens and about ten optimizer steps per site, the most that keeps
 # the six example twins within minutes on two cores (each job's imports alone take seconds). The dataset
@@ -727,6 +724,7 @@ def make_twin(example_path: str | Path, assets: str | Path, out: str | Path) -> 
     return twin
 
 
+@cli.entry("fedtune.tools.twin")
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="scripts/twin",
