@@ -12,6 +12,7 @@ import re
 
 import pytest
 
+from tests.test_train_resume import POISON_MICRO_BATCH
 from tests.train_runs import ROOT, env, errors, launch, train_args
 
 pytest_plugins = ["tests.train_fixtures"]
@@ -19,24 +20,9 @@ pytest_plugins = ["tests.train_fixtures"]
 # Loaded by every Python process of the run (sitecustomize on PYTHONPATH): the gradients of one micro batch
 # of step 3 become NaN while its loss stays finite, and each backend step prints whether it changed the
 # weights this rank holds (the optimizer's fp32 master weights and the module's own, or its ZeRO-3 part).
-HOOK = """
-import os
-import torch
-from fedtune.train import backends
-
-_calls = [0]
-_loss = backends._micro_loss
-
-
-def _micro_loss(model, inputs, trained):
-    loss = _loss(model, inputs, trained)
-    _calls[0] += 1
-    if _calls[0] == int(os.environ["POISON_CALL"]):
-        loss.register_hook(lambda grad: grad * float("nan"))
-    return loss
-
-
-backends._micro_loss = _micro_loss
+HOOK = (
+    POISON_MICRO_BATCH
+    + """
 _step = backends.DeepSpeedBackend.step
 _steps = [0]
 
@@ -61,6 +47,7 @@ def step(self, lr):
 
 backends.DeepSpeedBackend.step = step
 """
+)
 
 CASES = {
     "zero0": {"zero_stage": 0},
@@ -79,7 +66,7 @@ def test_deepspeed_does_not_step_on_a_nan_gradient_whose_loss_is_finite(
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(HOOK)
-    run_env = env(POISON_CALL="5")
+    run_env = env(POISON_CALL="5", POISON_MODE="grad")
     run_env["PYTHONPATH"] = f"{hook}{os.pathsep}{ROOT}"
     run_dir = tmp_path / "run"
     options = {"backend": "deepspeed", "checkpoint_every": 1, **options}

@@ -255,10 +255,9 @@ def test_a_lock_of_a_slurm_job_is_live_while_squeue_lists_it(tmp_path, monkeypat
         pass
 
 
-# Loaded by every Python process of the run (sitecustomize on PYTHONPATH): makes the loss of one micro
-# batch of step 3 NaN (`loss`), or its gradients alone (`grad`: the loss stays finite), and prints after
-# every optimizer step whether the weights are still finite.
-POISON = """
+# Loaded by every Python process of the run (sitecustomize on PYTHONPATH): makes the loss of micro batch
+# POISON_CALL NaN (POISON_MODE `loss`), or its gradients alone (`grad`: the loss stays finite).
+POISON_MICRO_BATCH = """
 import os
 import torch
 from fedtune.train import backends
@@ -279,6 +278,11 @@ def _micro_loss(model, inputs, trained):
 
 
 backends._micro_loss = _micro_loss
+"""
+# ... and prints after every optimizer step whether the weights are still finite.
+POISON = (
+    POISON_MICRO_BATCH
+    + """
 _step = torch.optim.AdamW.step
 
 
@@ -291,6 +295,7 @@ def step(self, *args, **kwargs):
 
 torch.optim.AdamW.step = step
 """
+)
 
 
 @pytest.mark.parametrize(
