@@ -228,8 +228,19 @@ def test_a_train_job_takes_its_share_of_the_steps_from_every_sites_manifest(tmp_
     assert same is run.sites["alpha"].train and none is None
     with pytest.raises(ConfigError, match="no manifest of site omega"):
         token_steps("omega", pairs, run.sites["alpha"].train)
-    with pytest.raises(ConfigError, match="is site 'beta'"):
+    with pytest.raises(
+        ConfigError, match=r"site alpha: manifest \S+beta/manifest.json belongs to site 'beta'"
+    ):
         token_steps("alpha", [f"alpha={tmp_path / 'beta' / 'manifest.json'}"], run.sites["alpha"].train)
+    # The merge's checks of a manifest that crossed (tokenize.blocks.manifest_tokens): a count no site
+    # could have trained on shares out no steps.
+    (tmp_path / "delta" / "manifest.json").write_text(
+        json.dumps({"site": "delta", "splits": {"train": {"tokens_kept": -900, "tokens": 1000}}})
+    )
+    with pytest.raises(
+        ConfigError, match="site delta: .*tokens_kept is -900; a site's token count must be positive"
+    ):
+        token_steps("alpha", pairs, run.sites["alpha"].train)
 
 
 SITES = ["alpha", "beta", "gamma", "delta"]

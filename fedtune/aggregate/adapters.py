@@ -40,7 +40,6 @@ from fedtune.aggregate.merge import (
     _finite,
     _round_label,
     check_same_base,
-    manifest_tokens,
     normalised,
     parse_pairs,
     parse_size,
@@ -67,6 +66,7 @@ from fedtune.core.safetensors_stream import (
     read_header,
     read_weights,
 )
+from fedtune.tokenize.blocks import manifest_tokens
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -50,6 +50,7 @@ from fedtune.core.safetensors_stream import (
     plan_shards,
     read_weights,
 )
+from fedtune.tokenize.blocks import manifest_tokens
 
 
 class AggregateError(WeightsError):
@@ -98,46 +99,6 @@ def parse_pairs(items: Sequence[str], option: str) -> dict[str, Path]:
             raise AggregateError(f"{option}: site {site!r} given twice")
         pairs[site] = Path(path)
     return pairs
-
-
-def manifest_tokens(site: str, path: Path, *, error: type[UserError] = AggregateError) -> int:
-    """Tokens the site trained on per epoch: splits.train.tokens_kept of its manifest."""
-    try:
-        manifest = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise error(f"site {site}: manifest not found: {path}") from None
-    except json.JSONDecodeError as e:
-        raise error(f"site {site}: manifest {path} is not valid JSON: {e}") from None
-    if manifest.get("site", site) != site:
-        raise error(f"site {site}: manifest {path} belongs to site {manifest['site']!r}")
-    try:
-        train = manifest["splits"]["train"]
-        tokens = train["tokens_kept"]
-    except (KeyError, TypeError):
-        raise error(f"site {site}: manifest {path} has no splits.train.tokens_kept") from None
-    if not _integer(tokens):
-        raise error(f"site {site}: manifest {path}: splits.train.tokens_kept is not an integer")
-    # The manifest crossed from the site's cluster: its count weighs the site in the merge, so it must be
-    # one the site could have trained on: positive, and within what the same manifest says it tokenized.
-    if tokens <= 0:
-        raise error(
-            f"site {site}: manifest {path}: splits.train.tokens_kept is {tokens}; a site's token count "
-            "must be positive (a site that trained on nothing has no model to merge)"
-        )
-    bounds = {"splits.train.tokens (tokenized)": train.get("tokens")}
-    if _integer(train.get("blocks")) and _integer(manifest.get("block_size")):
-        bounds["splits.train.blocks x block_size"] = train["blocks"] * manifest["block_size"]
-    for what, bound in bounds.items():
-        if _integer(bound) and tokens > bound:
-            raise error(
-                f"site {site}: manifest {path}: splits.train.tokens_kept is {tokens}, more than the "
-                f"{bound} of its {what}; refused"
-            )
-    return tokens
-
-
-def _integer(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def resolve_weights(
@@ -723,7 +684,7 @@ def _manifest_tokens(manifests: Mapping[str, Path], sites: Sequence[str]) -> dic
     unknown = sorted(set(manifests) - set(sites))
     if unknown:
         raise AggregateError(f"--manifest given for sites without --model: {unknown}")
-    return {site: manifest_tokens(site, path) for site, path in manifests.items()}
+    return {site: manifest_tokens(site, path, error=AggregateError) for site, path in manifests.items()}
 
 
 def _site_records(site_models: Sequence[SiteModel], digests: dict, checksums: bool) -> list[dict]:

@@ -187,6 +187,49 @@ class BlockOrder:
         return [grid[m, rank] for m in range(self.accumulation)]
 
 
+def manifest_tokens(site: str, path: Path, *, error: type[UserError] = UserError) -> int:
+    """Tokens the site trained on per epoch: splits.train.tokens_kept of its manifest, checked (`error`:
+    the caller's error class). What the merge weighs a site by, and what federation.site_steps tokens
+    shares a round's steps by."""
+    try:
+        manifest = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise error(f"site {site}: manifest not found: {path}") from None
+    except json.JSONDecodeError as e:
+        raise error(f"site {site}: manifest {path} is not valid JSON: {e}") from None
+    if manifest.get("site", site) != site:
+        raise error(f"site {site}: manifest {path} belongs to site {manifest['site']!r}")
+    try:
+        train = manifest["splits"]["train"]
+        tokens = train["tokens_kept"]
+    except (KeyError, TypeError):
+        raise error(f"site {site}: manifest {path} has no splits.train.tokens_kept") from None
+    if not _integer(tokens):
+        raise error(f"site {site}: manifest {path}: splits.train.tokens_kept is not an integer")
+    # The manifest may have crossed from the site's cluster: its count weighs the site in the merge (and
+    # shares out steps), so it must be one the site could have trained on: positive, and within what the
+    # same manifest says it tokenized.
+    if tokens <= 0:
+        raise error(
+            f"site {site}: manifest {path}: splits.train.tokens_kept is {tokens}; a site's token count "
+            "must be positive (a site that trained on nothing has no model to merge)"
+        )
+    bounds = {"splits.train.tokens (tokenized)": train.get("tokens")}
+    if _integer(train.get("blocks")) and _integer(manifest.get("block_size")):
+        bounds["splits.train.blocks x block_size"] = train["blocks"] * manifest["block_size"]
+    for what, bound in bounds.items():
+        if _integer(bound) and tokens > bound:
+            raise error(
+                f"site {site}: manifest {path}: splits.train.tokens_kept is {tokens}, more than the "
+                f"{bound} of its {what}; refused"
+            )
+    return tokens
+
+
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def manifest_shards(manifest_path: str | Path, split: str = "train") -> list[Path]:
     """The shard folders a site's manifest lists for `split`, resolved against the manifest's folder.
 

@@ -47,7 +47,7 @@ from fedtune.core.checksums import SOURCE_RECORD
 from fedtune.core.models import load_model, load_tokenizer, save_model
 from fedtune.core.options import CAUSAL_LM, CLASSIFICATION, ConfigError, UserError
 from fedtune.core.tracking_options import TrackingOptions
-from fedtune.tokenize.blocks import BlockOrder, Blocks, manifest_shards, trained_tokens
+from fedtune.tokenize.blocks import BlockOrder, Blocks, manifest_shards, manifest_tokens, trained_tokens
 from fedtune.tokenize.shards import verify_shard
 from fedtune.train import checkpoint, distributed, export_record, job_lock, loading
 from fedtune.train.options import TrainOptions
@@ -613,30 +613,13 @@ def token_steps(site: str, manifests: list[str], options: TrainOptions) -> tuple
         name, sep, path = pair.partition("=")
         if not sep or not name or not path:
             raise ConfigError(f"--token-steps: {pair!r} is not SITE=MANIFEST")
-        tokens[name] = manifest_train_tokens(name, Path(path))
+        tokens[name] = manifest_tokens(name, Path(path), error=ConfigError)
     if site not in tokens:
         raise ConfigError(f"--token-steps: no manifest of site {site} among {', '.join(tokens)}")
     if options.max_steps is None:
         raise ConfigError("--token-steps needs the options' max_steps (the steps a round of equal steps)")
     steps = site_step_counts(options.max_steps, tokens)
     return replace(options, max_steps=steps[site]), {"by": "tokens", "tokens": tokens, "steps": steps}
-
-
-def manifest_train_tokens(site: str, path: Path) -> int:
-    """A site's training tokens: splits.train.tokens_kept of its manifest (what aggregate.weights tokens
-    weighs it by)."""
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-        tokens = manifest["splits"]["train"]["tokens_kept"]
-    except FileNotFoundError:
-        raise ConfigError(f"--token-steps: site {site}: manifest not found: {path}") from None
-    except (json.JSONDecodeError, KeyError, TypeError):
-        raise ConfigError(f"--token-steps: site {site}: {path} has no splits.train.tokens_kept") from None
-    if manifest.get("site", site) != site:
-        raise ConfigError(f"--token-steps: {path} is site {manifest['site']!r}'s manifest, not {site}'s")
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-        raise ConfigError(f"--token-steps: site {site}: {path}: splits.train.tokens_kept is {tokens!r}")
-    return tokens
 
 
 def train_or_restore(job: TrainJob, options: TrainOptions, plan: RoundPlan) -> int:
