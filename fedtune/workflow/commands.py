@@ -126,6 +126,24 @@ def round_args(run: RunConfig, layout: Layout, round, site) -> str:
     return args
 
 
+def token_step_manifests(run: RunConfig, layout: Layout, in_round: bool) -> list[str]:
+    """federation.site_steps tokens: every site's manifest, which a round's training (`in_round`; not a
+    pooled model's or a sweep point's) reads to take its share of the round's steps."""
+    if run.site_steps != "tokens" or not in_round:
+        return []
+    return [layout.manifest_path(site) for site in run.sites]
+
+
+def token_steps_args(run: RunConfig, layout: Layout, in_round: bool) -> str:
+    """` --token-steps SITE=MANIFEST ...` for such a training (fedtune.train.loop.token_steps), or nothing."""
+    pairs = [f"{site}={layout.manifest_path(site)}" for site in run.sites]
+    return (
+        " --token-steps " + " ".join(map(shlex.quote, pairs))
+        if token_step_manifests(run, layout, in_round)
+        else ""
+    )
+
+
 def tracking_args(run: RunConfig, layout: Layout) -> str:
     """`--tracking JSON --run-name NAME` for a stage CLI (dir resolved: tracking.dir or <run>/tracking), or
     nothing when tracking is off."""

@@ -183,18 +183,11 @@ def previous_optimizer(wildcards):
 # fedtune.train.loop.token_steps). Not the pooled models' nor the sweep's (no round wildcard; they set
 # round_args ""). One cluster only (config refuses more: manifests cross only to federation.aggregate_on).
 def token_step_manifests(wildcards):
-    if RUN.site_steps != "tokens" or "round" not in wildcards.keys():
-        return []
-    return [manifest_path(site) for site in SITES]
+    return commands.token_step_manifests(RUN, LAYOUT, "round" in wildcards.keys())
 
 
 def token_steps_args(wildcards):
-    pairs = [f"{site}={manifest_path(site)}" for site in SITES]
-    return (
-        " --token-steps " + " ".join(map(shlex.quote, pairs))
-        if token_step_manifests(wildcards)
-        else ""
-    )
+    return commands.token_steps_args(RUN, LAYOUT, "round" in wildcards.keys())
 
 
 # Experiment tracking (fedtune.core.tracking): `--tracking JSON --run-name NAME`, or nothing. Params use it
